@@ -1,0 +1,147 @@
+"""Pure-torch copy backend: the reference for parity tests and the fallback.
+
+Copies with ``Tensor.copy_`` on views; the segment is a Python ``mmap`` exposed as one
+uint8 tensor.
+"""
+
+from __future__ import annotations
+
+import mmap
+import os
+from collections.abc import Sequence
+
+import torch
+
+from lmcache_kv_fast.copy.base import (
+    ChunkGeometry,
+    Region,
+    SlotLike,
+    check_chunk_ids,
+    check_tensor_view,
+)
+
+NAME = "torch"
+
+
+def _as4d(t: torch.Tensor) -> torch.Tensor:
+    return t.unsqueeze(0) if t.dim() == 3 else t
+
+
+class TorchSegment:
+    """A POSIX SHM segment mapped with Python's ``mmap`` and viewed as a uint8 tensor."""
+
+    def __init__(self, name: str, size: int | None = None) -> None:
+        self.name = validate_segment_name(name)
+        fd = os.open(f"/dev/shm/{self.name}", os.O_RDWR)
+        try:
+            real = os.fstat(fd).st_size
+            if size is not None and size > real:
+                raise ValueError(f"segment {self.name} has {real} bytes, expected >= {size}")
+            self.size = real
+            self._mm: mmap.mmap | None = mmap.mmap(fd, real, mmap.MAP_SHARED)
+        finally:
+            os.close(fd)
+        self._flat: torch.Tensor | None = torch.frombuffer(self._mm, dtype=torch.uint8)
+
+    def regions(self, slots: Sequence[SlotLike], expected_nbytes: int, align: int) -> list[Region]:
+        """See :class:`copy.base.Segment`."""
+        if self._flat is None:
+            raise ValueError(f"segment {self.name} is closed")
+        spans = validate_slots(slots, self.size, expected_nbytes, align)
+        base = self._flat.data_ptr()
+        return [Region(base + off, ln, self._flat[off:off + ln]) for off, ln in spans]
+
+    def close(self) -> None:
+        """Unmap (idempotent)."""
+        self._flat = None
+        if self._mm is not None:
+            try:
+                self._mm.close()
+            except BufferError:  # a region view is still alive somewhere; let GC unmap
+                pass
+            self._mm = None
+
+
+def validate_segment_name(name: str) -> str:
+    """Return the bare POSIX name; refuse names that could escape ``/dev/shm``.
+
+    Raises:
+        ValueError: Empty, containing ``/`` (after one leading slash), ``..`` or NUL.
+    """
+    bare = name[1:] if name.startswith("/") else name
+    if not bare or "/" in bare or ".." in bare or "\x00" in bare or len(bare) > 255:
+        raise ValueError(f"invalid shared-memory segment name {name!r}")
+    return bare
+
+
+def validate_slots(slots: Sequence[SlotLike], size: int, expected_nbytes: int,
+                   align: int) -> list[tuple[int, int]]:
+    """Bounds/alignment/length/overlap check of slot descriptors; return (offset, length).
+
+    Raises:
+        ValueError: On the first bad slot, naming it.
+    """
+    spans: list[tuple[int, int]] = []
+    for k, s in enumerate(slots):
+        off, ln = int(s.offset), int(s.length)
+        if ln != expected_nbytes:
+            raise ValueError(f"slot {k}: length {ln}, expected {expected_nbytes}")
+        if off < 0 or off + ln > size:
+            raise ValueError(f"slot {k}: [{off}, {off + ln}) outside the segment of {size} bytes")
+        if align > 0 and off % align:
+            raise ValueError(f"slot {k}: offset {off} not aligned to {align}")
+        spans.append((off, ln))
+    ordered = sorted(spans)
+    for (a_off, a_ln), (b_off, _) in zip(ordered, ordered[1:], strict=False):
+        if b_off < a_off + a_ln:
+            raise ValueError(f"slots overlap at offsets {a_off} and {b_off}")
+    return spans
+
+
+def open_segment(name: str, size: int | None = None) -> TorchSegment:
+    """Map the segment ``name`` (see :class:`TorchSegment`)."""
+    return TorchSegment(name, size)
+
+
+def _region_view(r: Region, geom: ChunkGeometry, dtype: torch.dtype) -> torch.Tensor:
+    if r.tensor is None:
+        raise ValueError("the torch backend needs regions that carry a tensor view")
+    if r.nbytes != geom.chunk_nbytes:
+        raise ValueError(f"region of {r.nbytes} bytes, expected {geom.chunk_nbytes}")
+    return r.tensor.view(dtype).view(geom.object_shape())
+
+
+def scatter(src: torch.Tensor, geom: ChunkGeometry, chunk_ids: Sequence[int],
+            regions: Sequence[Region], col_offset: int = 0) -> None:
+    """Copy chunk ``chunk_ids[j]`` of ``src`` into ``regions[j]`` for every j."""
+    tokens = check_tensor_view(src, geom, col_offset, "source tensor")
+    check_chunk_ids(chunk_ids, len(regions), tokens, geom.chunk_tokens, "scatter")
+    s4 = _as4d(src)
+    c, w = geom.chunk_tokens, geom.width
+    for i, r in zip(chunk_ids, regions, strict=True):
+        _region_view(r, geom, src.dtype).copy_(s4[:, :, i * c:(i + 1) * c, col_offset:col_offset + w])
+
+
+def gather(dst: torch.Tensor, geom: ChunkGeometry, chunk_ids: Sequence[int],
+           regions: Sequence[Region], col_offset: int = 0) -> None:
+    """Copy ``regions[j]`` into chunk ``chunk_ids[j]`` of ``dst`` for every j."""
+    tokens = check_tensor_view(dst, geom, col_offset, "destination tensor")
+    check_chunk_ids(chunk_ids, len(regions), tokens, geom.chunk_tokens, "gather")
+    d4 = _as4d(dst)
+    c, w = geom.chunk_tokens, geom.width
+    for i, r in zip(chunk_ids, regions, strict=True):
+        d4[:, :, i * c:(i + 1) * c, col_offset:col_offset + w].copy_(_region_view(r, geom, dst.dtype))
+
+
+def alloc_result(shape: Sequence[int], dtype: torch.dtype) -> torch.Tensor:
+    """Allocate a fresh result tensor."""
+    return torch.empty(tuple(shape), dtype=dtype)
+
+
+def set_threads(n: int) -> None:
+    """No-op: the torch backend uses torch's own intra-op threads."""
+
+
+def get_threads() -> int:
+    """Return torch's intra-op thread count."""
+    return torch.get_num_threads()

@@ -1,0 +1,114 @@
+"""msgspec types of every payload and response the SDK exchanges (protocol doc §4).
+
+All travel as msgpack maps keyed by field name, fields in declaration order. Response
+types are decoded strictly: a reply that does not fit is a protocol error, never a guess.
+"""
+
+from __future__ import annotations
+
+import msgspec
+
+
+class IPCCacheServerKey(msgspec.Struct, kw_only=True):
+    """Cache key of one operation (doc §4.1); all ten fields are always sent."""
+
+    model_name: str
+    world_size: int
+    worker_id: int | None
+    token_ids: list[int]
+    start: int
+    end: int
+    request_id: str
+    cache_salt: str = ""
+    request_configs: dict | None = None
+    num_kv_readers: int = 1
+
+
+class RegisterEngineDrivenContextPayload(msgspec.Struct, kw_only=True):
+    """Payload of ``register_kv_cache_engine_driven_context`` (doc §4.2)."""
+
+    instance_id: int
+    model_name: str
+    world_size: int
+    block_size: int
+    num_layers: int
+    hidden_dim_size: int
+    dtype_str: str
+    use_mla: bool
+    num_physical_slots: int | None = None
+
+
+class RegisterEngineDrivenContextResponse(msgspec.Struct, kw_only=True):
+    """Registration reply: the SHM pool name and size, or ``""``/0 for pickle (doc §3.1)."""
+
+    shm_name: str = ""
+    pool_size: int = 0
+
+
+class Slot(msgspec.Struct, kw_only=True):
+    """One L1 memory object in the SHM pool (doc §4.3, §7.2)."""
+
+    offset: int
+    length: int
+    shape: list[int]
+    dtype: str
+
+
+class PrepareStoreContext(msgspec.Struct, kw_only=True):
+    """``context`` of a prepare_store reply: empty on a pickle server."""
+
+    slots: list[Slot] = []
+    chunk_indices: list[int] = []
+
+
+class PrepareStoreResponse(msgspec.Struct, kw_only=True):
+    """Reply of ``prepare_store`` (doc §4.3)."""
+
+    context: PrepareStoreContext = msgspec.field(default_factory=PrepareStoreContext)
+
+
+class PrepareRetrieveContext(msgspec.Struct, kw_only=True):
+    """``context`` of a prepare_retrieve reply: slots on SHM, empty on pickle/miss."""
+
+    slots: list[Slot] = []
+
+
+class PrepareRetrieveResponse(msgspec.Struct, kw_only=True):
+    """Reply of ``prepare_retrieve`` (doc §4.4)."""
+
+    success: bool
+    data: bytes = b""
+    context: PrepareRetrieveContext = msgspec.field(default_factory=PrepareRetrieveContext)
+
+
+class KVEventRecord(msgspec.Struct, kw_only=True):
+    """One KV event record of the MP server (doc §4.5)."""
+
+    seq: int
+    kind: str
+    medium: str = "CPU"
+    model_name: str = ""
+    block_hashes: list[bytes] = []
+    parent_block_hash: bytes | None = None
+    token_ids: list[int] = []
+
+
+class KVEventBatch(msgspec.Struct, kw_only=True):
+    """One batch of the KV event stream (doc §4.5, §9)."""
+
+    enabled: bool
+    incarnation: int
+    next_cursor: int
+    lost: bool = False
+    events: list[KVEventRecord] = []
+
+
+class EngineGroupInfo(msgspec.Struct, frozen=True, kw_only=True):
+    """Engine KV-cache group (doc §4.6); sent with ``register_kv_cache``."""
+
+    engine_group_id: int
+    layer_indices: tuple[int, ...] = ()
+    tokens_per_block: int = 0
+    sw_size_tokens: int = -1
+    extra_object_group_tag: int = 0
+    recurrent_state: bool = False

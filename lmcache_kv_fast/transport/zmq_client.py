@@ -1,0 +1,284 @@
+"""ZMQ DEALER client of the server's ROUTER (protocol doc §2).
+
+Design: every thread that uses a context gets its own DEALER socket (a ``Channel``),
+so no lock is held around socket I/O and a single-threaded caller sends and receives on
+its own thread with no hand-off. Within one channel any number of requests may be in
+flight; replies are matched by uid, replies for other in-flight uids are parked, and late
+replies of timed-out requests are dropped. Every wait has a deadline.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import itertools
+import logging
+import os
+import threading
+import time
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import msgspec
+import zmq
+
+from lmcache_kv_fast.errors import ContextClosedError, ProtocolError, ServerTimeoutError
+from lmcache_kv_fast.protocol import codec
+from lmcache_kv_fast.protocol.ops import Generation, Op
+
+logger = logging.getLogger(__name__)
+
+_NONE = object()  # marker: a 2-frame reply (handler returned None)
+_POLL_SLICE_MS = 100  # wake up this often to notice close()
+
+# uids are unique per process (and so per socket); start at a random point so two
+# processes never look alike in server logs.
+_UIDS = itertools.count(int.from_bytes(os.urandom(3), "big"))
+
+
+@dataclass
+class PendingCall:
+    """A request sent on a channel whose reply has not been consumed yet."""
+
+    uid: int
+    uid_frame: bytes
+    op: Op
+    op_frame: bytes
+    sent_at: float
+
+
+class Channel:
+    """One DEALER socket, used by one thread only."""
+
+    def __init__(self, client: ZmqClient) -> None:
+        self._client = client
+        self.sock: zmq.Socket = client.zmq_context.socket(zmq.DEALER)
+        self.sock.setsockopt(zmq.LINGER, 0)
+        self.sock.setsockopt(zmq.RCVHWM, 0)
+        self.sock.setsockopt(zmq.SNDHWM, 0)
+        self.sock.connect(client.url)
+        self._inflight: dict[bytes, PendingCall] = {}
+        self._parked: dict[bytes, list[Any]] = {}
+        self.owner = threading.get_ident()
+
+    # -- sending ---------------------------------------------------------------------
+    def send(self, op: Op, payloads: Sequence[Any] = (), *, raw: Sequence[bytes] = ()) -> PendingCall:
+        """Send one request; return its handle.
+
+        Args:
+            op: The operation.
+            payloads: Payload values, each encoded as its own msgpack frame.
+            raw: Already-encoded payload frames appended after ``payloads``.
+
+        Raises:
+            ContextClosedError: The client is closed.
+            KeyError: The server generation does not have ``op`` (never sent).
+        """
+        op_value = self._client.generation.op_frame_value(op)
+        uid = next(_UIDS)
+        uid_frame = codec.encode(uid)
+        op_frame = codec.encode(op_value)
+        frames: list[Any] = [uid_frame, op_frame]
+        frames.extend(codec.encode(p) for p in payloads)
+        frames.extend(raw)
+        # Never fewer than 2 frames: a 1-frame message kills the server's loop (doc §2.7).
+        assert len(frames) >= 2
+        call = PendingCall(uid, uid_frame, op, op_frame, time.monotonic())
+        with self._client.active():
+            self._inflight[uid_frame] = call
+            self.sock.send_multipart(frames, copy=len(frames[-1]) < 65536)
+        return call
+
+    # -- receiving -------------------------------------------------------------------
+    def wait(self, call: PendingCall, resp_type: Any = None, timeout: float | None = None) -> Any:
+        """Wait for the reply of ``call`` and decode it.
+
+        Args:
+            call: The handle returned by :meth:`send`.
+            resp_type: msgspec type of a 3-frame reply, or None to accept any.
+            timeout: Seconds to wait; the client's default when None.
+
+        Returns:
+            The decoded value, or None for a 2-frame reply.
+
+        Raises:
+            ServerTimeoutError: No reply in time (the server sends no error replies).
+            ProtocolError: The reply is malformed (wrong op echo, extra frames, bad msgpack).
+            ContextClosedError: The client was closed while waiting.
+        """
+        timeout = self._client.timeout if timeout is None else timeout
+        deadline = time.monotonic() + timeout
+        key = call.uid_frame
+        try:
+            with self._client.active():
+                self._wait_for(call, key, timeout, deadline)
+        finally:
+            self._inflight.pop(key, None)
+        frames = self._parked.pop(key)
+        if frames[1] != call.op_frame:
+            raise ProtocolError(
+                f"reply to {call.op.value} on {self._client.url} echoed operation frame "
+                f"{bytes(frames[1])!r}, expected {call.op_frame!r}"
+            )
+        if len(frames) == 2:
+            return None
+        if len(frames) != 3:
+            raise ProtocolError(
+                f"reply to {call.op.value} on {self._client.url} has {len(frames)} frames, "
+                "expected 2 or 3"
+            )
+        if resp_type is None:
+            return codec.decode(frames[2], Any, what=call.op.value)
+        return codec.decode(frames[2], resp_type, what=call.op.value)
+
+    def _wait_for(self, call: PendingCall, key: bytes, timeout: float, deadline: float) -> None:
+        while key not in self._parked:
+            if self._client.closing:
+                raise ContextClosedError(
+                    f"context closed while waiting for {call.op.value} on {self._client.url}"
+                )
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                raise ServerTimeoutError(self._client.timeout_message(call.op, timeout))
+            wait_ms = max(1, min(int(remaining * 1000) + 1, _POLL_SLICE_MS))
+            if self.sock.poll(wait_ms, zmq.POLLIN):
+                self._drain()
+
+    def _drain(self) -> None:
+        """Receive every reply available now; park those of in-flight uids."""
+        while True:
+            try:
+                frames = self.sock.recv_multipart(zmq.NOBLOCK, copy=False)
+            except zmq.Again:
+                return
+            uid_frame = frames[0].bytes if frames else b""
+            if uid_frame not in self._inflight:
+                logger.debug("dropping a reply for unknown or timed-out uid %r", uid_frame[:16])
+                continue
+            parts: list[Any] = [uid_frame, frames[1].bytes if len(frames) > 1 else b""]
+            parts.extend(f.buffer for f in frames[2:])
+            self._parked[uid_frame] = parts
+
+    def discard(self, call: PendingCall) -> None:
+        """Forget ``call``: a reply that still arrives is dropped."""
+        self._inflight.pop(call.uid_frame, None)
+        self._parked.pop(call.uid_frame, None)
+
+    def call(self, op: Op, payloads: Sequence[Any] = (), resp_type: Any = None,
+             timeout: float | None = None, *, raw: Sequence[bytes] = ()) -> Any:
+        """Send one request and wait for its reply (see :meth:`send`, :meth:`wait`)."""
+        return self.wait(self.send(op, payloads, raw=raw), resp_type, timeout)
+
+    def close(self) -> None:
+        """Close the socket (only from the owning thread or after it is gone)."""
+        try:
+            self.sock.close(linger=0)
+        except zmq.ZMQError:  # pragma: no cover - already closed
+            pass
+
+
+class ZmqClient:
+    """Control-plane client: per-thread channels over one ZMQ context.
+
+    Args:
+        url: ZMQ endpoint, e.g. ``tcp://127.0.0.1:5555``.
+        generation: Wire dialect of the server (operation ids).
+        timeout: Default seconds every call waits for its reply.
+    """
+
+    def __init__(self, url: str, generation: Generation, timeout: float) -> None:
+        self.url = url
+        self.generation = generation
+        self.timeout = float(timeout)
+        self.zmq_context = zmq.Context()
+        self.closed = False
+        self.closing = False
+        self._active = 0
+        self._idle = threading.Condition()
+        self._local = threading.local()
+        self._channels: list[Channel] = []
+        self._lock = threading.Lock()
+
+    @contextlib.contextmanager
+    def active(self) -> Iterator[None]:
+        """Mark socket use in progress; ``close`` waits for it (sockets are not thread-safe)."""
+        with self._idle:
+            if self.closing:
+                raise ContextClosedError(f"the SDK context for {self.url} is closed")
+            self._active += 1
+        try:
+            yield
+        finally:
+            with self._idle:
+                self._active -= 1
+                if self._active == 0:
+                    self._idle.notify_all()
+
+    def check_open(self) -> None:
+        """Raise ContextClosedError when closed."""
+        if self.closing:
+            raise ContextClosedError(f"the SDK context for {self.url} is closed")
+
+    def channel(self) -> Channel:
+        """Return the calling thread's channel, creating it on first use."""
+        ch = getattr(self._local, "channel", None)
+        if ch is None:
+            self.check_open()
+            ch = Channel(self)
+            self._local.channel = ch
+            with self._lock:
+                self._channels = [c for c in self._channels if _thread_alive(c.owner, c)]
+                self._channels.append(ch)
+        return ch
+
+    def new_channel(self) -> Channel:
+        """Return a fresh channel not bound to the thread (for streams and pingers)."""
+        self.check_open()
+        ch = Channel(self)
+        with self._lock:
+            self._channels.append(ch)
+        return ch
+
+    def call(self, op: Op, payloads: Sequence[Any] = (), resp_type: Any = None,
+             timeout: float | None = None, *, raw: Sequence[bytes] = ()) -> Any:
+        """Call ``op`` on the calling thread's channel."""
+        return self.channel().call(op, payloads, resp_type, timeout, raw=raw)
+
+    def timeout_message(self, op: Op, timeout: float) -> str:
+        """Explain a timeout of ``op`` (the server never sends error replies)."""
+        return (
+            f"{op.value} to {self.url} got no reply within {timeout:g}s. Likely causes: the "
+            "server is not running or not reachable at that URL; the server was restarted or "
+            "killed; the operation is not enabled (start the server with "
+            "--supported-transfer-mode auto or engine_driven); or the server rejected the "
+            f"request (server generation {self.generation.name}; it sends no error replies, "
+            "see its log)"
+        )
+
+    def close(self) -> None:
+        """Close every channel and the ZMQ context. Idempotent."""
+        with self._idle:
+            if self.closing:
+                return
+            self.closing = True
+            # Waiters notice `closing` within one poll slice; sockets close after that.
+            self._idle.wait_for(lambda: self._active == 0, timeout=5.0)
+        self.closed = True
+        with self._lock:
+            channels, self._channels = self._channels, []
+        for ch in channels:
+            ch.close()
+        self.zmq_context.term()
+
+
+def _thread_alive(ident: int, ch: Channel) -> bool:
+    for t in threading.enumerate():
+        if t.ident == ident:
+            return True
+    ch.close()
+    return False
+
+
+def decode_any(frame: bytes) -> Any:
+    """Decode an untyped msgpack frame."""
+    return msgspec.msgpack.decode(frame)
