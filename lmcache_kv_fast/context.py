@@ -1,0 +1,959 @@
+"""One connected SDK context: the handshake result and the store / retrieve / lookup flows.
+
+Flows (protocol doc §1, §3), every request on the calling thread's own DEALER socket:
+
+* retrieve: ``lookup`` → ``wait_prefetch_status`` → ``prepare_retrieve`` (one per shard) →
+  gather → ``commit_retrieve`` (+ ``end_session``, pipelined). Locks of shards that were
+  not read are released with ``free_lookup_locks`` on every failure path (doc §11 #14).
+* store: ``prepare_store`` (one per shard) → scatter → ``commit_store`` (+ ``end_session``),
+  or on the pickle plane a single ``commit_store`` with the pickled chunks. When some
+  chunk got no slot, a lookup tells "already cached" from "L1 full" (doc §11 #10).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import itertools
+import logging
+import math
+import operator
+import os
+import re
+import secrets
+import threading
+import time
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+from types import ModuleType
+from typing import Any
+
+import torch
+
+from lmcache_kv_fast.copy import ChunkGeometry, Region, backend
+from lmcache_kv_fast.dataplane.pickle_plane import dumps_chunks, safe_loads_chunks
+from lmcache_kv_fast.dataplane.shm import ShmPlane
+from lmcache_kv_fast.errors import (
+    ContextClosedError,
+    InvalidArgumentError,
+    InvalidTypeError,
+    KVCacheSDKError,
+    ProtocolError,
+    ServerTimeoutError,
+)
+from lmcache_kv_fast.layout import KVLayout, decode_status_entry, find_model_entries
+from lmcache_kv_fast.protocol import codec
+from lmcache_kv_fast.protocol.constants import (
+    DEFAULT_ALIGN_BYTES,
+    FORBIDDEN_MODEL_CHARS,
+    FORBIDDEN_SALT_CHARS,
+    INSTANCE_ID_BITS,
+    MAX_CACHE_SALT_LEN,
+    MAX_TOKEN_ID,
+    SDK_NUM_KV_READERS,
+)
+from lmcache_kv_fast.protocol.detect import detect_generation
+from lmcache_kv_fast.protocol.ops import Generation, Op
+from lmcache_kv_fast.protocol.types import (
+    IPCCacheServerKey,
+    PrepareRetrieveResponse,
+    PrepareStoreResponse,
+    RegisterEngineDrivenContextPayload,
+    RegisterEngineDrivenContextResponse,
+)
+from lmcache_kv_fast.transport.http import HttpInfoClient
+from lmcache_kv_fast.transport.zmq_client import Channel, PendingCall, ZmqClient
+
+logger = logging.getLogger(__name__)
+
+#: connect() probes give up after this long for an unreachable peer.
+CONNECT_PROBE_TIMEOUT_S = 5.0
+#: Seconds one ``wait_prefetch_status`` may block the server's normal pool.
+PREFETCH_WAIT_SLICE_S = 0.1
+
+_ZMQ_URL = re.compile(r"^tcp://[^\s/:]+:\d{1,5}$")
+_HTTP_URL = re.compile(r"^https?://[^\s/]+(:\d{1,5})?/?$")
+
+
+@dataclass(frozen=True)
+class StoreResult:
+    """What a store did, chunk by chunk (``ctx.store_ex``).
+
+    Attributes:
+        tokens_stored: Whole-chunk tokens of the sequence that are in the cache after the
+            call (its cached prefix, capped at ``chunks_total * chunk_size``).
+        chunks_total: Whole chunks in the request (a trailing partial chunk is dropped).
+        chunks_written: Chunks written by this call.
+        chunks_already_cached: Chunks that were already in the cache (not rewritten).
+        chunks_refused: Chunks the server could not take (L1 full) or that are not
+            visible after the call.
+    """
+
+    tokens_stored: int
+    chunks_total: int
+    chunks_written: int
+    chunks_already_cached: int
+    chunks_refused: int
+
+    @property
+    def ok(self) -> bool:
+        """True when every whole chunk is in the cache after the call."""
+        return self.chunks_total > 0 and self.chunks_refused == 0
+
+
+def _is_tensor_like(x: Any) -> bool:
+    return hasattr(x, "tolist") and hasattr(x, "dtype") and hasattr(x, "ndim")
+
+
+def normalize_tokens(tokens: Any, what: str = "tokens") -> list[int]:
+    """Return ``tokens`` as a list of ints in ``[0, 2**32)``.
+
+    Accepts a sequence of ints (Python or numpy integer scalars), a 1-D integer numpy
+    array or torch tensor, or a ``range``.
+
+    Raises:
+        InvalidTypeError: Not a sequence of integers (bools, floats and strings refused).
+        InvalidArgumentError: A token outside ``[0, 2**32)``.
+    """
+    if isinstance(tokens, (str, bytes, bytearray)) or tokens is None:
+        raise InvalidTypeError(f"{what} must be a sequence of ints, got {type(tokens).__name__}")
+    if _is_tensor_like(tokens):
+        if tokens.ndim != 1:
+            raise InvalidArgumentError(f"{what} must be 1-D, got {tokens.ndim}-D")
+        kind = str(tokens.dtype)
+        if "int" not in kind or "bool" in kind:
+            raise InvalidTypeError(f"{what} must have an integer dtype, got {kind}")
+        out = tokens.tolist()
+    elif isinstance(tokens, list) and all(type(t) is int for t in tokens):
+        out = tokens
+    else:
+        try:
+            seq = list(tokens)
+        except TypeError:
+            raise InvalidTypeError(
+                f"{what} must be a sequence of ints, got {type(tokens).__name__}"
+            ) from None
+        out = []
+        for t in seq:
+            if isinstance(t, bool) or not hasattr(t, "__index__"):
+                raise InvalidTypeError(
+                    f"{what} must contain only ints, got {type(t).__name__} {t!r:.40}"
+                )
+            out.append(operator.index(t))
+    if out and (min(out) < 0 or max(out) > MAX_TOKEN_ID):
+        bad = next(t for t in out if t < 0 or t > MAX_TOKEN_ID)
+        raise InvalidArgumentError(f"{what} must be in [0, 2**32), got {bad}")
+    return out
+
+
+def check_salt(cache_salt: Any) -> str:
+    """Validate ``cache_salt`` like the server does (doc §4.1), before anything is sent.
+
+    Raises:
+        InvalidTypeError: Not a str.
+        InvalidArgumentError: Longer than 128 characters or containing ``@ / \\`` or NUL.
+    """
+    if not isinstance(cache_salt, str):
+        raise InvalidTypeError(f"cache_salt must be a str, got {type(cache_salt).__name__}")
+    if len(cache_salt) > MAX_CACHE_SALT_LEN:
+        raise InvalidArgumentError(
+            f"cache_salt must be at most {MAX_CACHE_SALT_LEN} characters, got {len(cache_salt)}"
+        )
+    bad = FORBIDDEN_SALT_CHARS.intersection(cache_salt)
+    if bad:
+        raise InvalidArgumentError(
+            f"cache_salt must not contain {sorted(bad)!r} (forbidden: @ / \\ NUL)"
+        )
+    return cache_salt
+
+
+class LMCacheKVCacheContext:
+    """A connection to one LMCache MP server for one model.
+
+    Create it with :func:`lmcache_kv_fast.connect` (or the constructor); use
+    :meth:`retrieve`, :meth:`store`, :meth:`store_ex`, :meth:`lookup`; :meth:`close` it (or
+    use it as a context manager). Safe to share between threads.
+
+    Args:
+        url: ZMQ URL of the server, ``tcp://host:port``.
+        http_url: HTTP URL of the server, ``http://host:port``.
+        model_name: Model name the KV is stored under.
+        timeout: Seconds every server call may take.
+        layout: Explicit model geometry; when None it is read from the vLLM registration
+            in ``/status`` (like the upstream SDK).
+        world_size: Tensor-parallel KV shards (with ``layout``; else from ``/status``).
+        copy_threads: Threads of the native copy pool (None: env or usable cores).
+        heartbeat: Ping the server so it never reaps this live client (doc §3.11).
+
+    Raises:
+        KVCacheSDKError: The server cannot be used (see the message for why).
+    """
+
+    def __init__(
+        self,
+        url: str,
+        http_url: str,
+        model_name: str,
+        timeout: float = 60.0,
+        *,
+        layout: KVLayout | None = None,
+        world_size: int | None = None,
+        copy_threads: int | None = None,
+        heartbeat: bool = True,
+    ) -> None:
+        self._closed = False
+        self._closing = False
+        self._zmq: ZmqClient | None = None
+        self._shm: ShmPlane | None = None
+        self._registered = False
+        self._uncommitted = 0
+        self._ops = 0
+        self._ops_cv = threading.Condition()
+        self._hb_stop = threading.Event()
+        self._hb_thread: threading.Thread | None = None
+        self._rid_counter = itertools.count()
+        _check_connect_args(url, http_url, model_name, timeout, world_size, copy_threads)
+        self.url = url
+        self.http_url = http_url.rstrip("/")
+        self.model_name = model_name
+        self.timeout = float(timeout)
+        self.instance_id = secrets.randbits(INSTANCE_ID_BITS) or 1
+        self._backend: ModuleType = backend()
+        if copy_threads is not None:
+            self._backend.set_threads(copy_threads)
+        try:
+            self._handshake(layout, world_size)
+            if heartbeat:
+                self._start_heartbeat()
+        except BaseException:
+            self._teardown()
+            raise
+
+    # ------------------------------------------------------------------ handshake
+    def _handshake(self, layout: KVLayout | None, world_size: int | None) -> None:
+        probe = min(self.timeout, CONNECT_PROBE_TIMEOUT_S)
+        http = HttpInfoClient(self.http_url, probe)
+        cfg = http.config()
+        mp = cfg["mp"]
+        self._chunk_size = _positive_int(mp.get("chunk_size"), "/config mp.chunk_size")
+        mode = mp.get("supported_transfer_mode", "auto")
+        if mode not in ("auto", "engine_driven"):
+            raise KVCacheSDKError(
+                f"the server at {self.http_url} runs with --supported-transfer-mode {mode}; "
+                "the SDK needs 'auto' or 'engine_driven' (restart the server with "
+                "--supported-transfer-mode auto)"
+            )
+        if mp.get("transport", "zmq") != "zmq":
+            raise KVCacheSDKError(
+                f"the server at {self.http_url} uses transport {mp.get('transport')!r}; "
+                "this SDK speaks the ZMQ transport"
+            )
+        version = http.version()
+        gen, verify = detect_generation(version, mp)
+        self.generation: Generation = gen
+        self.server_version: str = version.strip('"') if version else f"{gen.name} (detected)"
+        workers = mp.get("max_cpu_workers") or mp.get("max_workers") or 1
+        self._fifo_normal_pool = workers == 1
+        self._align = _align_from_config(cfg)
+
+        self._zmq = ZmqClient(self.url, gen, self.timeout)
+        try:
+            reply = self._zmq.call(Op.NOOP, (), None, probe)
+        except ServerTimeoutError as err:
+            raise KVCacheSDKError(
+                f"nothing answers noop on {self.url} within {probe:g}s (HTTP at "
+                f"{self.http_url} does). Check the ZMQ URL/port, or the server's request "
+                "loop is dead (restart it)"
+            ) from err
+        if reply != "OK":
+            raise KVCacheSDKError(
+                f"noop on {self.url} answered {reply!r}, expected 'OK': the server speaks "
+                f"another dialect than {gen.name}" + (" (newer, unverified)" if verify else "")
+            )
+
+        status = http.status()
+        entries = find_model_entries(status, self.model_name)
+        if layout is not None:
+            if not isinstance(layout, KVLayout):
+                raise InvalidTypeError(
+                    f"layout must be a KVLayout, got {type(layout).__name__}"
+                )
+            ws = 1 if world_size is None else world_size
+            if entries:
+                decoded = decode_status_entry(entries[0][1], self._chunk_size)
+                decoded.require_single_group()
+                theirs = KVLayout.from_decoded(decoded)
+                diffs = layout.diff(theirs)
+                if diffs or decoded.world_size != ws:
+                    if decoded.world_size != ws:
+                        diffs.append(f"world_size: given {ws}, vLLM has {decoded.world_size}")
+                    raise KVCacheSDKError(
+                        f"explicit layout for {self.model_name!r} disagrees with the vLLM "
+                        f"registration on the server: {'; '.join(diffs)}"
+                    )
+        else:
+            if not entries:
+                known = sorted({e.get("model_name", "?") for e in
+                                (status.get("cache_context_meta") or {}).values()
+                                if isinstance(e, dict)})
+                raise KVCacheSDKError(
+                    f"no registered KV layout for model {self.model_name!r} on "
+                    f"{self.http_url} (models with a vLLM registration: {known or 'none'}). "
+                    "Start vLLM with LMCache for this model first, or pass the geometry "
+                    "explicitly: connect(..., layout=KVLayout(...))"
+                )
+            decoded = decode_status_entry(entries[0][1], self._chunk_size)
+            decoded.require_single_group()
+            layout = KVLayout.from_decoded(decoded)
+            ws = decoded.world_size
+            if world_size is not None and world_size != ws:
+                raise KVCacheSDKError(
+                    f"world_size={world_size} given, but the vLLM registration of "
+                    f"{self.model_name!r} has world_size {ws}"
+                )
+        self.layout: KVLayout = layout
+        self.world_size: int = ws
+        self._setup_geometry()
+
+        payload = RegisterEngineDrivenContextPayload(
+            instance_id=self.instance_id,
+            model_name=self.model_name,
+            world_size=ws,
+            block_size=layout.block_size,
+            num_layers=layout.num_layers,
+            hidden_dim_size=self._geom.width,
+            dtype_str=layout.dtype_str,
+            use_mla=layout.planes == 1,
+            num_physical_slots=self._chunk_size,
+        )
+        try:
+            resp = self._zmq.call(Op.REGISTER_ENGINE_DRIVEN, [payload],
+                                  RegisterEngineDrivenContextResponse)
+        except ServerTimeoutError as err:
+            raise KVCacheSDKError(
+                f"register_kv_cache_engine_driven_context on {self.url} got no reply: the "
+                "server refused the registration (see its log) or engine-driven transfers "
+                "are disabled (--supported-transfer-mode auto)"
+            ) from err
+        self._registered = True
+        if resp.shm_name:
+            self._shm = ShmPlane(self._backend, resp.shm_name, resp.pool_size, self._align)
+            self.transport = "shm"
+        else:
+            self.transport = "pickle"
+        logger.info(
+            "connected to LMCache %s at %s (model %s, %s plane, chunk %d, world_size %d, "
+            "backend %s)", self.server_version, self.url, self.model_name, self.transport,
+            self._chunk_size, ws, self._backend.NAME,
+        )
+
+    def _setup_geometry(self) -> None:
+        lay, ws = self.layout, self.world_size
+        if lay.planes == 1:
+            width, self._shard_cols = lay.hidden_size, [0] * ws
+        else:
+            width = lay.shard_hidden(ws)
+            self._shard_cols = [r * width for r in range(ws)]
+        self._dtype: torch.dtype = lay.dtype
+        self._geom = ChunkGeometry(
+            planes=lay.planes, layers=lay.num_layers, chunk_tokens=self._chunk_size,
+            width=width, itemsize=lay.itemsize,
+        )
+        # The engine-driven object the server allocates: [2, L, C, W] or [L, C, W] (doc §3.1).
+        shape = self._geom.object_shape()
+        self._object_shape = shape if lay.planes == 2 else shape[1:]
+
+    # ------------------------------------------------------------------ properties
+    @property
+    def chunk_size(self) -> int:
+        """Tokens per chunk of the server."""
+        return self._chunk_size
+
+    @property
+    def mq_timeout(self) -> float:
+        """Seconds every server call may take (upstream name)."""
+        return self.timeout
+
+    @property
+    def closed(self) -> bool:
+        """Whether :meth:`close` was called."""
+        return self._closed or self._closing
+
+    @property
+    def dtype(self) -> torch.dtype:
+        """dtype of the KV tensors."""
+        return self._dtype
+
+    def kv_shape(self, tokens: int) -> tuple[int, ...]:
+        """Shape of the KV tensor of ``tokens`` tokens: ``[2, L, T, D]`` or ``[L, T, D]``."""
+        lay = self.layout
+        if lay.planes == 1:
+            return (lay.num_layers, tokens, lay.hidden_size)
+        return (2, lay.num_layers, tokens, lay.hidden_size)
+
+    # ------------------------------------------------------------------ helpers
+    @contextlib.contextmanager
+    def _op(self) -> Iterator[Channel]:
+        with self._ops_cv:
+            if self._closing or self._closed:
+                raise ContextClosedError(
+                    f"the SDK context for {self.model_name!r} at {self.url} is closed"
+                )
+            self._ops += 1
+        try:
+            assert self._zmq is not None
+            yield self._zmq.channel()
+        finally:
+            with self._ops_cv:
+                self._ops -= 1
+                self._ops_cv.notify_all()
+
+    def _rid(self, kind: str) -> str:
+        return f"kvf-{kind}-{self.instance_id:x}-{next(self._rid_counter)}"
+
+    def _key(self, tokens: list[int], start: int, end: int, rid: str, salt: str,
+             worker_id: int | None) -> IPCCacheServerKey:
+        return IPCCacheServerKey(
+            model_name=self.model_name, world_size=self.world_size, worker_id=worker_id,
+            token_ids=tokens, start=start, end=end, request_id=rid, cache_salt=salt,
+            num_kv_readers=SDK_NUM_KV_READERS,
+        )
+
+    def _check_kv(self, kv: Any) -> torch.Tensor:
+        """Validate a KV tensor to store; return a contiguous CPU ``[P, L, T, D]`` view."""
+        if not isinstance(kv, torch.Tensor):
+            raise InvalidTypeError(f"kv must be a torch.Tensor, got {type(kv).__name__}")
+        lay = self.layout
+        if kv.dtype != self._dtype:
+            raise InvalidTypeError(
+                f"kv has dtype {kv.dtype}, expected {self._dtype} (the model's KV dtype); "
+                "convert it with kv.to(ctx.dtype)"
+            )
+        shape = tuple(kv.shape)
+        if lay.planes == 2:
+            ok = len(shape) == 4 and shape[0] == 2 and shape[1] == lay.num_layers and \
+                shape[3] == lay.hidden_size
+            want = f"[2, {lay.num_layers}, T, {lay.hidden_size}]"
+        else:
+            ok = (len(shape) == 3 and shape[0] == lay.num_layers and shape[2] == lay.hidden_size) \
+                or (len(shape) == 4 and shape[0] == 1 and shape[1] == lay.num_layers
+                    and shape[3] == lay.hidden_size)
+            want = f"[{lay.num_layers}, T, {lay.hidden_size}] or [1, {lay.num_layers}, T, " \
+                   f"{lay.hidden_size}]"
+        if not ok:
+            raise InvalidArgumentError(f"kv has shape {list(shape)}, expected {want}")
+        if kv.requires_grad:
+            kv = kv.detach()
+        if kv.device.type != "cpu":
+            kv = kv.cpu()
+        if not kv.is_contiguous():
+            kv = kv.contiguous()
+        return kv if kv.dim() == 4 else kv.unsqueeze(0)
+
+    def _check_out(self, out: Any, tokens: int) -> torch.Tensor:
+        if not isinstance(out, torch.Tensor):
+            raise InvalidTypeError(f"out must be a torch.Tensor, got {type(out).__name__}")
+        lay = self.layout
+        if out.dtype != self._dtype:
+            raise InvalidTypeError(f"out has dtype {out.dtype}, expected {self._dtype}")
+        if out.device.type != "cpu":
+            raise InvalidArgumentError(f"out must be a CPU tensor, got device {out.device}")
+        if not out.is_contiguous():
+            raise InvalidArgumentError("out must be contiguous")
+        shape = tuple(out.shape)
+        if lay.planes == 2:
+            ok = len(shape) == 4 and shape[0] == 2 and shape[1] == lay.num_layers and \
+                shape[3] == lay.hidden_size
+            want = f"[2, {lay.num_layers}, >={tokens}, {lay.hidden_size}]"
+        else:
+            ok = (len(shape) == 3 and shape[0] == lay.num_layers and shape[2] == lay.hidden_size) \
+                or (len(shape) == 4 and shape[0] == 1 and shape[1] == lay.num_layers
+                    and shape[3] == lay.hidden_size)
+            want = f"[{lay.num_layers}, >={tokens}, {lay.hidden_size}]"
+        if not ok or shape[-2] < tokens:
+            raise InvalidArgumentError(
+                f"out has shape {list(shape)}, expected {want} (room for every requested "
+                "whole-chunk token)"
+            )
+        return out
+
+    def _wait_quiet(self, ch: Channel, call: PendingCall) -> None:
+        """Wait for a cleanup reply; log instead of raising."""
+        try:
+            ch.wait(call)
+        except KVCacheSDKError as err:
+            logger.warning("cleanup call %s failed: %s", call.op.value, err)
+
+    # ------------------------------------------------------------------ lookup
+    def _lookup_chunks(self, ch: Channel, tokens: list[int], rid: str, salt: str) -> int:
+        """Run lookup + wait; return the number of leading hit chunks (read-locked)."""
+        n_chunks = len(tokens) // self._chunk_size
+        key = self._key(tokens, 0, n_chunks * self._chunk_size, rid, salt, None)
+        c_lookup = ch.send(Op.LOOKUP, [key, self.world_size])
+        deadline = time.monotonic() + self.timeout
+        c_wait = None
+        if self._fifo_normal_pool:  # FIFO pool: the wait runs after the lookup
+            c_wait = ch.send(Op.WAIT_PREFETCH_STATUS, [rid, PREFETCH_WAIT_SLICE_S])
+        try:
+            ch.wait(c_lookup)
+        except BaseException:
+            if c_wait is not None:
+                ch.discard(c_wait)
+            raise
+        result = None
+        while result is None:
+            if c_wait is None:
+                c_wait = ch.send(Op.WAIT_PREFETCH_STATUS, [rid, PREFETCH_WAIT_SLICE_S])
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                ch.discard(c_wait)
+                self._free_locks(ch, key)
+                raise ServerTimeoutError(
+                    f"lookup of {len(tokens)} tokens on {self.url} not finished after "
+                    f"{self.timeout:g}s"
+                )
+            result = ch.wait(c_wait, int | None, remaining + PREFETCH_WAIT_SLICE_S)
+            c_wait = None
+        if not 0 <= result <= n_chunks:
+            self._free_locks(ch, key)
+            raise ProtocolError(
+                f"wait_prefetch_status answered {result} hit chunks for a {n_chunks}-chunk lookup"
+            )
+        return int(result)
+
+    def _free_locks(self, ch: Channel, key: IPCCacheServerKey,
+                    worker_id: int | None = None) -> None:
+        """Release a lookup's read locks (call before end_session)."""
+        k = IPCCacheServerKey(**{f: getattr(key, f) for f in key.__struct_fields__})
+        k.worker_id = worker_id
+        self._wait_quiet(ch, ch.send(Op.FREE_LOOKUP_LOCKS, [k, self.world_size]))
+
+    def _end_session(self, ch: Channel, rid: str) -> PendingCall:
+        return ch.send(Op.END_SESSION, [rid])
+
+    def lookup(self, tokens: Sequence[int], cache_salt: str = "") -> int:
+        """Return how many leading tokens are cached (whole chunks), moving no data.
+
+        Every lock and session the lookup takes is released before returning.
+
+        Args:
+            tokens: Token ids from position 0.
+            cache_salt: Per-tenant isolation salt.
+
+        Returns:
+            Cached prefix length in tokens (a multiple of ``chunk_size``).
+        """
+        toks = normalize_tokens(tokens)
+        salt = check_salt(cache_salt)
+        n_tok = len(toks) // self._chunk_size * self._chunk_size
+        if n_tok == 0:
+            return 0
+        with self._op() as ch:
+            return self._lookup_release(ch, toks[:n_tok], salt) * self._chunk_size
+
+    def _lookup_release(self, ch: Channel, toks: list[int], salt: str) -> int:
+        rid = self._rid("l")
+        hit = 0
+        try:
+            hit = self._lookup_chunks(ch, toks, rid, salt)
+        finally:
+            if hit:
+                key = self._key(toks, 0, hit * self._chunk_size, rid, salt, None)
+                c_free = ch.send(Op.FREE_LOOKUP_LOCKS, [key, self.world_size])
+                if not self._fifo_normal_pool:
+                    self._wait_quiet(ch, c_free)
+                c_end = self._end_session(ch, rid)
+                if self._fifo_normal_pool:
+                    self._wait_quiet(ch, c_free)
+                self._wait_quiet(ch, c_end)
+            else:
+                self._wait_quiet(ch, self._end_session(ch, rid))
+        return hit
+
+    # ------------------------------------------------------------------ retrieve
+    def retrieve(self, tokens: Sequence[int], cache_salt: str = "", *,
+                 out: torch.Tensor | None = None) -> torch.Tensor | None:
+        """Retrieve the KV of the cached prefix of ``tokens``.
+
+        Args:
+            tokens: Token ids from position 0 (a trailing partial chunk is ignored).
+            cache_salt: Per-tenant isolation salt.
+            out: Optional contiguous CPU tensor of the model's dtype, shaped
+                ``[2, L, >=T, D]`` (``[L, >=T, D]`` for single-plane models), to write into;
+                the result is then ``out[..., :hit, :]``. Its content beyond the hit (or on
+                a miss) is unspecified.
+
+        Returns:
+            A contiguous ``[2, L, hit, D]`` tensor (``[L, hit, D]`` for single-plane
+            models), or None when fewer than one chunk is given or nothing is cached.
+        """
+        toks = normalize_tokens(tokens)
+        salt = check_salt(cache_salt)
+        n_tok = len(toks) // self._chunk_size * self._chunk_size
+        if out is not None:
+            out = self._check_out(out, n_tok)
+        if n_tok == 0:
+            return None
+        toks = toks[:n_tok]
+        with self._op() as ch:
+            rid = self._rid("r")
+            pending: list[PendingCall] = []
+            try:
+                n = self._lookup_chunks(ch, toks, rid, salt)
+                if n == 0:
+                    return None
+                return self._fetch(ch, toks[: n * self._chunk_size], rid, salt, n, out, pending)
+            finally:
+                # commit_retrieve (affinity pool) touches the session, so end it afterwards
+                for c in pending:
+                    self._wait_quiet(ch, c)
+                self._wait_quiet(ch, self._end_session(ch, rid))
+
+    def _fetch(self, ch: Channel, toks: list[int], rid: str, salt: str, n: int,
+               out: torch.Tensor | None, pending: list[PendingCall]) -> torch.Tensor | None:
+        """prepare_retrieve every shard, gather, commit; release locks on every path."""
+        hit = n * self._chunk_size
+        ws = self.world_size
+        ranks = [0] if self.layout.planes == 1 else list(range(ws))
+        keys = {r: self._key(toks, 0, hit, rid, salt, r) for r in range(ws)}
+        calls = {r: ch.send(Op.PREPARE_RETRIEVE, [keys[r], self.instance_id]) for r in ranks}
+        resps: dict[int, PrepareRetrieveResponse] = {}
+        try:
+            for r in ranks:
+                resps[r] = ch.wait(calls[r], PrepareRetrieveResponse)
+        except BaseException:
+            for r in ranks:
+                ch.discard(calls[r])
+            for r in range(ws):
+                self._free_locks(ch, keys[r], r)
+            raise
+        ok = all(resps[r].success for r in ranks)
+        result: torch.Tensor | None = None
+        try:
+            if ok:
+                if out is None:
+                    dst = self._backend.alloc_result(self.kv_shape(hit), self._dtype)
+                else:
+                    dst = out
+                for r in ranks:
+                    regions = self._retrieve_regions(resps[r], n, "prepare_retrieve")
+                    self._backend.gather(dst, self._geom, range(n), regions,
+                                         self._shard_cols[r])
+                result = dst if out is None else out.narrow(-2, 0, hit)
+        finally:
+            # SHM: commit releases the read lock of each object read; pickle: no-op.
+            for r in range(ws):
+                if r in resps and resps[r].success:
+                    pending.append(ch.send(Op.COMMIT_RETRIEVE, [keys[r], self.instance_id]))
+                else:
+                    self._free_locks(ch, keys[r], r)
+        return result
+
+    def _retrieve_regions(self, resp: PrepareRetrieveResponse, n: int, what: str) -> list[Region]:
+        if self._shm is not None and not resp.data:
+            slots = resp.context.slots
+            if len(slots) != n:
+                raise ProtocolError(f"{what}: {len(slots)} slots for {n} chunks")
+            return self._shm.regions(slots, self._geom, self.layout.dtype_str, what)
+        if not resp.data:
+            raise ProtocolError(f"{what}: a hit with neither slots nor data")
+        chunks = safe_loads_chunks(resp.data, n, self._geom.chunk_nbytes // self._geom.itemsize,
+                                   self._dtype, what)
+        return [Region.of_tensor(t) for t in chunks]
+
+    # ------------------------------------------------------------------ store
+    def store(self, kv: torch.Tensor, tokens: Sequence[int], cache_salt: str = "") -> bool:
+        """Store ``kv`` under ``tokens``.
+
+        ``len(tokens)`` must equal the tensor's token dimension; both are truncated to
+        whole chunks.
+
+        Args:
+            kv: ``[2, L, T, D]`` (``[L, T, D]`` or ``[1, L, T, D]`` for single-plane
+                models) of the model's dtype.
+            tokens: The ``T`` token ids.
+            cache_salt: Per-tenant isolation salt.
+
+        Returns:
+            True exactly when every whole chunk is in the cache after the call (written now
+            or already there); False when nothing whole was given or some chunk was refused.
+        """
+        return self.store_ex(kv, tokens, cache_salt).ok
+
+    def store_ex(self, kv: torch.Tensor, tokens: Sequence[int],
+                 cache_salt: str = "") -> StoreResult:
+        """Store like :meth:`store` and say what happened to every chunk.
+
+        Returns:
+            A :class:`StoreResult`.
+        """
+        src = self._check_kv(kv)
+        toks = normalize_tokens(tokens)
+        salt = check_salt(cache_salt)
+        t = src.shape[2]
+        if len(toks) != t:
+            raise InvalidArgumentError(
+                f"len(tokens) is {len(toks)} but kv has {t} tokens (dimension -2); they "
+                "must be equal"
+            )
+        n = t // self._chunk_size
+        if n == 0:
+            return StoreResult(0, 0, 0, 0, 0)
+        toks = toks[: n * self._chunk_size]
+        with self._op() as ch:
+            if self._shm is not None:
+                return self._store_shm(ch, src, toks, salt, n)
+            return self._store_pickle(ch, src, toks, salt, n)
+
+    def _store_shm(self, ch: Channel, src: torch.Tensor, toks: list[int], salt: str,
+                   n: int) -> StoreResult:
+        rid = self._rid("s")
+        end = n * self._chunk_size
+        ws = self.world_size
+        keys = [self._key(toks, 0, end, rid, salt, r) for r in range(ws)]
+        calls = [ch.send(Op.PREPARE_STORE, [keys[r], self.instance_id]) for r in range(ws)]
+        written = [set() for _ in range(ws)]
+        commits: list[PendingCall] = []
+        try:
+            resps: list[PrepareStoreResponse | None] = []
+            for c in calls:
+                try:
+                    resps.append(ch.wait(c, PrepareStoreResponse))
+                except BaseException:
+                    # A reservation may exist server-side: never unregister over it.
+                    self._uncommitted += 1
+                    for c2 in calls:
+                        ch.discard(c2)
+                    raise
+            plans = []
+            for r, resp in enumerate(resps):
+                assert resp is not None
+                ctxt = resp.context
+                idx = ctxt.chunk_indices
+                if len(idx) != len(ctxt.slots) or len(set(idx)) != len(idx) or \
+                        any(not 0 <= i < n for i in idx):
+                    self._uncommitted += 1
+                    raise ProtocolError(
+                        f"prepare_store: chunk_indices {idx[:8]} do not match {len(ctxt.slots)} "
+                        f"slots of a {n}-chunk store"
+                    )
+                try:
+                    regions = self._shm.regions(ctxt.slots, self._geom,  # type: ignore[union-attr]
+                                                self.layout.dtype_str, "prepare_store")
+                except ProtocolError:
+                    self._uncommitted += 1
+                    raise
+                plans.append((r, idx, regions))
+            for r, idx, regions in plans:
+                if idx:
+                    self._backend.scatter(src, self._geom, idx, regions, self._shard_cols[r])
+            for r, idx, _ in plans:
+                if idx:
+                    commits.append(ch.send(Op.COMMIT_STORE, [keys[r], self.instance_id],
+                                           raw=[codec.encode(b"")]))
+                    written[r] = set(idx)
+        finally:
+            ok_commits = True
+            for c in commits:
+                try:
+                    ok_commits &= bool(ch.wait(c, bool))
+                except KVCacheSDKError as err:
+                    ok_commits = False
+                    logger.warning("commit_store failed: %s", err)
+            # commit_store (affinity pool) touches the session: end it afterwards
+            self._wait_quiet(ch, self._end_session(ch, rid))
+        all_written = set(range(n))
+        for w in written:
+            all_written &= w
+        if ok_commits and len(all_written) == n:
+            return StoreResult(end, n, n, 0, 0)
+        k = self._lookup_release(ch, toks, salt)
+        n_written = len([i for i in all_written if i < k]) if ok_commits else 0
+        present = min(k, n)
+        cached = max(0, present - n_written)
+        return StoreResult(present * self._chunk_size, n, n_written, cached, n - present)
+
+    def _store_pickle(self, ch: Channel, src: torch.Tensor, toks: list[int], salt: str,
+                      n: int) -> StoreResult:
+        c = self._chunk_size
+        k0 = self._lookup_release(ch, toks, salt)
+        if k0 >= n:
+            return StoreResult(n * c, n, 0, n, 0)
+        rid = self._rid("s")
+        commits: list[PendingCall] = []
+        try:
+            for r in range(self.world_size):
+                key = self._key(toks, k0 * c, n * c, rid, salt, r)
+                chunks = [torch.empty(self._object_shape, dtype=self._dtype)
+                          for _ in range(k0, n)]
+                self._backend.scatter(src, self._geom, range(k0, n),
+                                      [Region.of_tensor(x) for x in chunks], self._shard_cols[r])
+                payload = codec.encode(dumps_chunks(chunks))
+                del chunks
+                commits.append(ch.send(Op.COMMIT_STORE, [key, self.instance_id], raw=[payload]))
+        finally:
+            ok = True
+            for cm in commits:
+                try:
+                    ok &= bool(ch.wait(cm, bool))
+                except KVCacheSDKError as err:
+                    ok = False
+                    logger.warning("commit_store failed: %s", err)
+            self._wait_quiet(ch, self._end_session(ch, rid))
+        k1 = self._lookup_release(ch, toks, salt)
+        present = min(k1, n)
+        written = max(0, present - k0)
+        if not ok:
+            logger.warning("pickle commit_store reported a partial write; verified by lookup")
+        return StoreResult(present * c, n, written, min(k0, present), n - present)
+
+    # ------------------------------------------------------------------ liveness
+    def _start_heartbeat(self) -> None:
+        interval = self._heartbeat_interval()
+        if interval is None:
+            return
+        self._hb_thread = threading.Thread(
+            target=self._heartbeat, args=(interval,), name=f"lmcache-kv-fast-ping-{self.instance_id:x}",
+            daemon=True,
+        )
+        self._hb_thread.start()
+
+    def _heartbeat_interval(self) -> float | None:
+        try:
+            mp = HttpInfoClient(self.http_url, CONNECT_PROBE_TIMEOUT_S).config()["mp"]
+            reap = float(mp.get("worker_reap_timeout_seconds", 120.0))
+        except (KVCacheSDKError, TypeError, ValueError):
+            reap = 120.0
+        if reap <= 0:
+            return None
+        return max(1.0, min(reap / 4.0, 30.0))
+
+    def _heartbeat(self, interval: float) -> None:
+        zmq_client = self._zmq
+        if zmq_client is None:
+            return
+        try:
+            ch = zmq_client.channel()
+            while not self._hb_stop.wait(interval):
+                try:
+                    ch.call(Op.PING, [self.instance_id], None, min(self.timeout, interval))
+                except ContextClosedError:
+                    return
+                except KVCacheSDKError as err:
+                    logger.warning("heartbeat ping to %s failed: %s", self.url, err)
+        except ContextClosedError:
+            return
+
+    def ping(self) -> bool:
+        """Ping the server for this instance (refreshes liveness); True when it answered."""
+        with self._op() as ch:
+            return bool(ch.call(Op.PING, [self.instance_id], None,
+                                min(self.timeout, CONNECT_PROBE_TIMEOUT_S)))
+
+    # ------------------------------------------------------------------ close
+    def close(self) -> None:
+        """Unregister, unmap and close the sockets. Idempotent.
+
+        Waits (up to ``timeout``) for operations still running on other threads. The
+        registration is only dropped when no prepared store is left uncommitted (the
+        server would admit its slots as data, doc §3.2).
+        """
+        with self._ops_cv:
+            if self._closing or self._closed:
+                return
+            self._closing = True
+            drained = self._ops_cv.wait_for(lambda: self._ops == 0, timeout=self.timeout)
+        if not drained:
+            logger.warning("close(): operations still running after %gs; stopping them",
+                           self.timeout)
+        self._teardown(drained)
+
+    def _teardown(self, drained: bool = True) -> None:
+        self._hb_stop.set()
+        if self._hb_thread is not None and self._hb_thread is not threading.current_thread():
+            self._hb_thread.join(timeout=2.0)
+        zmq_client = self._zmq
+        if zmq_client is not None and self._registered and not zmq_client.closing:
+            if self._uncommitted:
+                logger.warning(
+                    "not unregistering instance %d: %d prepared store(s) were never committed "
+                    "(unregistering would admit their slots as data)", self.instance_id,
+                    self._uncommitted,
+                )
+            else:
+                try:
+                    zmq_client.call(Op.UNREGISTER_ENGINE_DRIVEN, [self.instance_id], None,
+                                    min(self.timeout, CONNECT_PROBE_TIMEOUT_S))
+                except KVCacheSDKError as err:
+                    logger.warning("unregister on close failed: %s", err)
+        if zmq_client is not None:
+            zmq_client.close()
+        with self._ops_cv:
+            busy = self._ops
+        if self._shm is not None:
+            if busy and not drained:
+                logger.warning("leaving the SHM mapping in place: a copy may still be running")
+            else:
+                self._shm.close()
+        self._closing = True
+        self._closed = True
+
+    def __enter__(self) -> LMCacheKVCacheContext:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def __del__(self) -> None:
+        if not getattr(self, "_closed", True):
+            with contextlib.suppress(Exception):
+                self.close()
+
+    def __repr__(self) -> str:
+        state = "closed" if self.closed else getattr(self, "transport", "connecting")
+        return (f"LMCacheKVCacheContext(model={self.model_name!r}, url={self.url!r}, "
+                f"{state})")
+
+
+def _positive_int(v: Any, what: str) -> int:
+    if type(v) is not int or v <= 0:
+        raise ProtocolError(f"{what}: expected a positive integer, got {v!r:.60}")
+    return v
+
+
+def _align_from_config(cfg: dict[str, Any]) -> int:
+    try:
+        a = cfg["storage_manager"]["l1_manager_config"]["memory_config"]["align_bytes"]
+    except (KeyError, TypeError):
+        return DEFAULT_ALIGN_BYTES
+    if type(a) is not int or a <= 0 or a & (a - 1):
+        raise ProtocolError(f"/config align_bytes: expected a power of two, got {a!r:.40}")
+    return a
+
+
+def _check_connect_args(url: Any, http_url: Any, model_name: Any, timeout: Any,
+                        world_size: Any, copy_threads: Any) -> None:
+    if not isinstance(url, str) or not _ZMQ_URL.match(url):
+        raise InvalidArgumentError(f"url must look like 'tcp://host:port', got {url!r:.80}")
+    if not isinstance(http_url, str) or not _HTTP_URL.match(http_url):
+        raise InvalidArgumentError(
+            f"http_url must look like 'http://host:port', got {http_url!r:.80}"
+        )
+    if not isinstance(model_name, str) or not model_name:
+        raise InvalidArgumentError(f"model_name must be a non-empty str, got {model_name!r:.80}")
+    if FORBIDDEN_MODEL_CHARS.intersection(model_name):
+        raise InvalidArgumentError(f"model_name must not contain '@', got {model_name!r:.80}")
+    if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or \
+            not math.isfinite(timeout) or timeout <= 0:
+        raise InvalidArgumentError(f"timeout must be a positive number of seconds, got {timeout!r}")
+    if world_size is not None and (type(world_size) is not int or world_size < 1):
+        raise InvalidArgumentError(f"world_size must be a positive int, got {world_size!r}")
+    if copy_threads is not None and (type(copy_threads) is not int or copy_threads < 1):
+        raise InvalidArgumentError(f"copy_threads must be a positive int, got {copy_threads!r}")
+
+
+def usable_cores() -> int:
+    """Cores this process may run on."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # pragma: no cover - non-Linux
+        return os.cpu_count() or 1

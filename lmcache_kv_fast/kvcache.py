@@ -1,0 +1,111 @@
+"""Drop-in replacement for ``lmcache.sdk.kvcache``.
+
+``import lmcache_kv_fast.kvcache as lmc_sdk`` and keep the upstream code::
+
+    ctx = lmc_sdk.connect(url, http_url, model_name)
+    kv = lmc_sdk.retrieve(ctx, tokens)          # [2, L, hit, D] or None
+    ok = lmc_sdk.store(ctx, kv, tokens)         # bool
+    lmc_sdk.close(ctx)
+
+The same flows are methods of the context (``ctx.retrieve``, ``ctx.store``, ``ctx.close``),
+the 0.5.6 style.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+from lmcache_kv_fast.context import LMCacheKVCacheContext, StoreResult
+from lmcache_kv_fast.errors import KVCacheSDKError
+from lmcache_kv_fast.layout import KVLayout
+
+__all__ = [
+    "KVCacheSDKError",
+    "KVLayout",
+    "LMCacheKVCacheContext",
+    "StoreResult",
+    "close",
+    "connect",
+    "lookup",
+    "retrieve",
+    "store",
+    "store_ex",
+]
+
+
+def connect(
+    url: str,
+    http_url: str,
+    model_name: str,
+    timeout: float = 60.0,
+    *,
+    layout: KVLayout | None = None,
+    world_size: int | None = None,
+    copy_threads: int | None = None,
+    heartbeat: bool = True,
+) -> LMCacheKVCacheContext:
+    """Connect to an LMCache MP server and register this SDK instance.
+
+    Args:
+        url: ZMQ URL, ``tcp://host:port``.
+        http_url: HTTP URL, ``http://host:port``.
+        model_name: Model whose KV is stored/retrieved.
+        timeout: Seconds every server call may take (connect probes use at most 5 s).
+        layout: Explicit geometry (no vLLM registration needed); see :class:`KVLayout`.
+        world_size: Tensor-parallel KV shards of the model.
+        copy_threads: Native copy threads (default: ``LMCACHE_KV_FAST_THREADS`` or cores).
+        heartbeat: Keep the registration alive with pings while the context is open.
+
+    Returns:
+        A connected context.
+
+    Raises:
+        KVCacheSDKError: The server is unreachable, misconfigured or does not know the model.
+    """
+    return LMCacheKVCacheContext(
+        url, http_url, model_name, timeout, layout=layout, world_size=world_size,
+        copy_threads=copy_threads, heartbeat=heartbeat,
+    )
+
+
+def retrieve(
+    ctx: LMCacheKVCacheContext,
+    tokens: Sequence[int],
+    cache_salt: str = "",
+    *,
+    out: torch.Tensor | None = None,
+) -> torch.Tensor | None:
+    """Retrieve the KV of the cached prefix of ``tokens`` (see ``ctx.retrieve``)."""
+    return ctx.retrieve(tokens, cache_salt, out=out)
+
+
+def store(
+    ctx: LMCacheKVCacheContext,
+    kv: torch.Tensor,
+    tokens: Sequence[int],
+    cache_salt: str = "",
+) -> bool:
+    """Store ``kv`` under ``tokens``; True when every whole chunk is cached afterwards."""
+    return ctx.store(kv, tokens, cache_salt)
+
+
+def store_ex(
+    ctx: LMCacheKVCacheContext,
+    kv: torch.Tensor,
+    tokens: Sequence[int],
+    cache_salt: str = "",
+) -> StoreResult:
+    """Store and report per-chunk outcomes (see ``ctx.store_ex``)."""
+    return ctx.store_ex(kv, tokens, cache_salt)
+
+
+def lookup(ctx: LMCacheKVCacheContext, tokens: Sequence[int], cache_salt: str = "") -> int:
+    """Number of leading cached tokens of ``tokens`` (no data moved)."""
+    return ctx.lookup(tokens, cache_salt)
+
+
+def close(ctx: LMCacheKVCacheContext) -> None:
+    """Close the context (idempotent)."""
+    ctx.close()

@@ -1,0 +1,163 @@
+"""Register a vLLM-like paged KV layout with a real server, the way a vLLM worker does
+(``register_kv_cache``, protocol doc §3.14 and §10.3), without importing ``lmcache``.
+
+One POSIX segment holds the per-layer CPU tensors; the server maps it during the call,
+after which the name is unlinked (the server keeps its mapping).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import itertools
+import mmap
+import os
+import secrets
+from dataclasses import dataclass, field
+
+import msgspec
+
+from lmcache_kv_fast.protocol.constants import DTYPE_ITEMSIZE
+from lmcache_kv_fast.protocol.ops import GEN_056, Generation, Op
+from lmcache_kv_fast.protocol.types import EngineGroupInfo
+from lmcache_kv_fast.transport.zmq_client import ZmqClient
+
+_SEG_COUNTER = itertools.count()
+
+#: per-layer tensor shape (as a function of NB, BS, NH, HS, D) and layout hints
+LAYOUTS = {
+    # vLLM flash-attention NHD: NL x [2, NB, BS, NH, HS]  (format 1)
+    "NHD": (lambda nb, bs, nh, hs: [2, nb, bs, nh, hs], {"kv_layout": "NHD"}),
+    # vLLM flash-attention HND: NL x [2, NB, NH, BS, HS]  (format 6)
+    "HND": (lambda nb, bs, nh, hs: [2, nb, nh, bs, hs], {"kv_layout": "HND"}),
+    # FlashInfer NHD: NL x [NB, 2, BS, NH, HS]  (format 2)
+    "FLASHINFER": (lambda nb, bs, nh, hs: [nb, 2, bs, nh, hs], {"kv_layout": "NHD"}),
+    # MLA: NL x [NB, BS, D]  (format 3), no hints
+    "MLA": (lambda nb, bs, nh, hs: [nb, bs, hs], {}),
+}
+
+
+def _strides(shape: list[int]) -> list[int]:
+    out, acc = [], 1
+    for d in reversed(shape):
+        out.append(acc)
+        acc *= d
+    return out[::-1]
+
+
+@dataclass
+class VllmLikeRegistration:
+    """What :func:`register_vllm_layout` registered (one entry per TP rank)."""
+
+    url: str
+    instance_ids: list[int]
+    model_name: str
+    world_size: int
+    generation: Generation = GEN_056
+    segments: list[str] = field(default_factory=list)
+
+    def unregister(self, timeout: float = 10.0) -> None:
+        """Send ``unregister_kv_cache`` for every rank."""
+        client = ZmqClient(self.url, self.generation, timeout)
+        try:
+            for iid in self.instance_ids:
+                client.call(Op.UNREGISTER_KV_CACHE, [iid])
+        finally:
+            client.close()
+
+
+def register_vllm_layout(
+    url: str,
+    model_name: str,
+    *,
+    num_layers: int,
+    num_kv_heads: int,
+    head_size: int,
+    dtype: str = "bfloat16",
+    block_size: int = 16,
+    num_blocks: int = 4,
+    layout: str = "NHD",
+    world_size: int = 1,
+    generation: Generation = GEN_056,
+    timeout: float = 30.0,
+) -> VllmLikeRegistration:
+    """Register a vLLM-like layout: one ``register_kv_cache`` per TP rank.
+
+    Args:
+        url: ZMQ URL of the server.
+        model_name: Model name to register.
+        num_layers: L.
+        num_kv_heads: Total KV heads of the model (each rank registers ``/world_size``);
+            ignored for ``layout="MLA"``.
+        head_size: Head size (for MLA: the latent width D).
+        dtype: torch dtype name.
+        block_size: Tokens per block.
+        num_blocks: Blocks per layer tensor (only needs to be >= 1 for the SDK path).
+        layout: ``"NHD"``, ``"HND"``, ``"FLASHINFER"`` or ``"MLA"``.
+        world_size: Number of TP ranks to register.
+        generation: Server generation (operation ids).
+        timeout: Seconds per call.
+
+    Returns:
+        The registration (instance ids, for ``unregister``).
+    """
+    if layout not in LAYOUTS:
+        raise ValueError(f"layout must be one of {sorted(LAYOUTS)}, got {layout!r}")
+    if not generation.ipc_wrapper_ext:
+        raise NotImplementedError(
+            f"server generation {generation.name} takes pickled IPC wrappers; "
+            "register with that version's own client"
+        )
+    shape_fn, hints = LAYOUTS[layout]
+    nh = 1 if layout == "MLA" else num_kv_heads // world_size
+    if layout != "MLA" and num_kv_heads % world_size:
+        raise ValueError("num_kv_heads must be divisible by world_size")
+    shape = shape_fn(num_blocks, block_size, nh, head_size)
+    itemsize = DTYPE_ITEMSIZE[dtype]
+    layer_elems = 1
+    for d in shape:
+        layer_elems *= d
+    nbytes = num_layers * layer_elems * itemsize
+    client = ZmqClient(url, generation, timeout)
+    reg = VllmLikeRegistration(url, [], model_name, world_size, generation)
+    try:
+        for rank in range(world_size):
+            seg = f"/lmckvf_kv_{os.getpid()}_{next(_SEG_COUNTER)}_{secrets.token_hex(2)}"
+            fd = os.open(f"/dev/shm{seg}", os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+            try:
+                os.ftruncate(fd, nbytes)
+                with mmap.mmap(fd, nbytes) as mm:
+                    mm[:16] = bytes(16)  # touch it
+            finally:
+                os.close(fd)
+            try:
+                wrappers = [
+                    msgspec.msgpack.Ext(1, msgspec.msgpack.encode({
+                        "type": "cpu_shm",
+                        "shm_name": seg,
+                        "nbytes": nbytes,
+                        "version": 1,
+                        "metadata": {
+                            "dtype": dtype,
+                            "shape": shape,
+                            "stride": _strides(shape),
+                            "storage_offset": layer * layer_elems,
+                            "device_uuid": "cpu",
+                        },
+                    }))
+                    for layer in range(num_layers)
+                ]
+                groups = [EngineGroupInfo(engine_group_id=0,
+                                          layer_indices=tuple(range(num_layers)),
+                                          tokens_per_block=block_size)]
+                iid = secrets.randbits(31) + 1
+                client.call(
+                    Op.REGISTER_KV_CACHE,
+                    [iid, wrappers, model_name, world_size, "vllm", hints, groups],
+                )
+                reg.instance_ids.append(iid)
+            finally:
+                with contextlib.suppress(FileNotFoundError):
+                    os.unlink(f"/dev/shm{seg}")
+        return reg
+    finally:
+        client.close()

@@ -1,0 +1,300 @@
+"""Start and stop a real LMCache MP server (``lmcache==0.5.x``) on 127.0.0.1.
+
+Each server gets free ports and a unique ``--shm-name``; it is always stopped (SIGTERM,
+then SIGKILL of its process group) and its shared-memory segment removed, also when the
+start fails. Usable as a context manager.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import itertools
+import logging
+import os
+import secrets
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import zmq
+
+from lmcache_kv_fast.protocol import codec
+from lmcache_kv_fast.protocol.constants import SHM_POOL_PREFIX
+from lmcache_kv_fast.protocol.ops import GEN_056, Generation, Op
+from lmcache_kv_fast.transport.http import HttpInfoClient
+
+logger = logging.getLogger(__name__)
+
+_COUNTER = itertools.count()
+SERVER_ENV = {
+    "LMCACHE_TRACK_USAGE": "false",
+    "DO_NOT_TRACK": "1",
+    "LMCACHE_DISABLE_BANNER": "1",
+    "PYTHONUNBUFFERED": "1",
+}
+
+
+class ServerStartError(RuntimeError):
+    """The server did not become ready; the message carries the tail of its log."""
+
+
+def free_port() -> int:
+    """Return a TCP port that was free on 127.0.0.1 a moment ago."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def zmq_noop(url: str, generation: Generation = GEN_056, timeout: float = 1.0) -> bool:
+    """Send one ``noop`` on a fresh DEALER; True if the server's ZMQ loop answered."""
+    ctx = zmq.Context.instance()
+    sock = ctx.socket(zmq.DEALER)
+    sock.setsockopt(zmq.LINGER, 0)
+    try:
+        sock.connect(url)
+        uid = codec.encode(secrets.randbits(31))
+        sock.send_multipart([uid, codec.encode(generation.op_frame_value(Op.NOOP))])
+        deadline = time.monotonic() + timeout
+        while (left := deadline - time.monotonic()) > 0:
+            if sock.poll(int(left * 1000) + 1):
+                frames = sock.recv_multipart()
+                if frames and frames[0] == uid:
+                    return True
+        return False
+    finally:
+        sock.close(linger=0)
+
+
+class LMCacheServer:
+    """A real LMCache MP server child process.
+
+    Args:
+        shm: True for the SHM data plane (``--shm-name`` + ``--no-l1-use-lazy``), False for
+            the pickle plane.
+        chunk_size: ``--chunk-size``.
+        l1_size_gb: ``--l1-size-gb`` (also the SHM segment size).
+        python: Interpreter of the venv that has ``lmcache`` installed.
+        version: Server version string (selects the launch command and op table);
+            None means whatever ``lmcache`` the interpreter has (0.5.6 expected).
+        extra_args: More server flags (e.g. reap timeouts).
+        startup_timeout: Seconds to wait for readiness.
+    """
+
+    def __init__(
+        self,
+        *,
+        shm: bool = True,
+        chunk_size: int = 256,
+        l1_size_gb: float = 1.0,
+        python: str | None = None,
+        version: str | None = None,
+        extra_args: Sequence[str] = (),
+        startup_timeout: float = 90.0,
+        max_workers: int | None = None,
+    ) -> None:
+        self.shm = shm
+        self.chunk_size = chunk_size
+        self.l1_size_gb = l1_size_gb
+        self.python = python or sys.executable
+        self.version = version
+        self.extra_args = list(extra_args)
+        self.startup_timeout = startup_timeout
+        self.max_workers = max_workers
+        self.proc: subprocess.Popen[bytes] | None = None
+        self.port = 0
+        self.http_port = 0
+        self.shm_name = ""
+        self._log_file: Any = None
+        self.log_path: Path | None = None
+
+    # -- addresses -------------------------------------------------------------------
+    @property
+    def url(self) -> str:
+        """ZMQ URL of the server."""
+        return f"tcp://127.0.0.1:{self.port}"
+
+    @property
+    def http_url(self) -> str:
+        """HTTP URL of the server."""
+        return f"http://127.0.0.1:{self.http_port}"
+
+    @property
+    def pool_segment(self) -> str:
+        """Name of the L1 pool segment in /dev/shm ('' for pickle)."""
+        return f"{SHM_POOL_PREFIX}{self.shm_name}" if self.shm_name else ""
+
+    @property
+    def generation(self) -> Generation:
+        """Wire dialect of this server (for raw calls in tests)."""
+        from lmcache_kv_fast.protocol.ops import generation_for
+
+        if self.version is None:
+            return GEN_056
+        gen = generation_for(self.version)
+        return gen if gen is not None else GEN_056
+
+    def http(self, timeout: float = 10.0) -> HttpInfoClient:
+        """An HTTP info client for this server."""
+        return HttpInfoClient(self.http_url, timeout)
+
+    # -- lifecycle -------------------------------------------------------------------
+    def command(self) -> list[str]:
+        """The server command line."""
+        use_module = self.version is not None and self.version < "0.5.6"
+        if use_module:
+            cmd = [self.python, "-m", "lmcache.v1.multiprocess.http_server"]
+        else:
+            exe = Path(self.python).with_name("lmcache")
+            cmd = [str(exe), "server"] if exe.exists() else [
+                self.python, "-m", "lmcache.v1.multiprocess.http_server"]
+        cmd += [
+            "--host", "127.0.0.1", "--port", str(self.port),
+            "--http-host", "127.0.0.1", "--http-port", str(self.http_port),
+            "--chunk-size", str(self.chunk_size),
+            "--l1-size-gb", f"{self.l1_size_gb:g}",
+            "--eviction-policy", "LRU",
+            "--supported-transfer-mode", "auto",
+        ]
+        if self.max_workers is not None:
+            cmd += ["--max-workers", str(self.max_workers)]
+        if self.shm:
+            cmd += ["--shm-name", self.shm_name, "--no-l1-use-lazy"]
+        return cmd + self.extra_args
+
+    def start(self) -> LMCacheServer:
+        """Start the server and wait until HTTP and a ZMQ ``noop`` answer.
+
+        Raises:
+            ServerStartError: It exited or did not become ready in time.
+        """
+        last_err: Exception | None = None
+        for _attempt in range(3):  # a port picked as free may be taken meanwhile
+            try:
+                self._start_once()
+                return self
+            except ServerStartError as err:
+                last_err = err
+                self.stop()
+                if "Address already in use" not in str(err):
+                    break
+        raise last_err  # type: ignore[misc]
+
+    def _start_once(self) -> None:
+        self.port, self.http_port = free_port(), free_port()
+        while self.http_port == self.port:
+            self.http_port = free_port()
+        self.shm_name = (
+            f"lmckvf{os.getpid()}x{next(_COUNTER)}x{secrets.token_hex(3)}" if self.shm else ""
+        )
+        fd, path = tempfile.mkstemp(prefix="lmcache-server-", suffix=".log")
+        os.close(fd)
+        self.log_path = Path(path)
+        self._log_file = open(path, "wb")  # noqa: SIM115 - closed in stop()
+        env = {**os.environ, **SERVER_ENV}
+        env.pop("LMCACHE_KV_FAST_BACKEND", None)
+        self.proc = subprocess.Popen(
+            self.command(), stdout=self._log_file, stderr=subprocess.STDOUT,
+            stdin=subprocess.DEVNULL, env=env, start_new_session=True,
+        )
+        deadline = time.monotonic() + self.startup_timeout
+        http = self.http(timeout=1.0)
+        while True:
+            if self.proc.poll() is not None:
+                raise ServerStartError(
+                    f"LMCache server exited with code {self.proc.returncode}:\n{self.log_tail()}"
+                )
+            if time.monotonic() > deadline:
+                raise ServerStartError(
+                    f"LMCache server not ready after {self.startup_timeout}s:\n{self.log_tail()}"
+                )
+            try:
+                http.get("/config")
+            except Exception:  # noqa: BLE001 - not up yet
+                time.sleep(0.2)
+                continue
+            if zmq_noop(self.url, self.generation, timeout=1.0):
+                break
+        logger.info("LMCache server ready: %s %s shm=%r", self.url, self.http_url,
+                    self.pool_segment)
+
+    def log_tail(self, n: int = 40) -> str:
+        """The last ``n`` lines of the server log."""
+        if self.log_path is None or not self.log_path.exists():
+            return ""
+        lines = self.log_path.read_text(errors="replace").splitlines()
+        return "\n".join(lines[-n:])
+
+    def kill(self) -> None:
+        """SIGKILL the server (fault tests); its segment stays until :meth:`stop`."""
+        if self.proc is not None and self.proc.poll() is None:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+            self.proc.wait(10)
+
+    def stop(self) -> None:
+        """Stop the server (SIGTERM, then SIGKILL) and remove its segments. Idempotent."""
+        proc, self.proc = self.proc, None
+        if proc is not None:
+            if proc.poll() is None:
+                with contextlib.suppress(ProcessLookupError):
+                    os.killpg(proc.pid, signal.SIGTERM)
+                try:
+                    proc.wait(10)
+                except subprocess.TimeoutExpired:
+                    with contextlib.suppress(ProcessLookupError):
+                        os.killpg(proc.pid, signal.SIGKILL)
+                    proc.wait(10)
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.killpg(proc.pid, signal.SIGKILL)  # stray children of the group
+        if self.pool_segment:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(f"/dev/shm/{self.pool_segment}")
+        if self._log_file is not None:
+            self._log_file.close()
+            self._log_file = None
+
+    def restart(self) -> None:
+        """Stop and start again on the same ports and segment name (fault tests)."""
+        port, http_port, shm_name = self.port, self.http_port, self.shm_name
+        self.stop()
+        self.port, self.http_port, self.shm_name = port, http_port, shm_name
+        env = {**os.environ, **SERVER_ENV}
+        self._log_file = open(self.log_path, "ab")  # type: ignore[arg-type]  # noqa: SIM115
+        self.proc = subprocess.Popen(
+            self.command(), stdout=self._log_file, stderr=subprocess.STDOUT,
+            stdin=subprocess.DEVNULL, env=env, start_new_session=True,
+        )
+        deadline = time.monotonic() + self.startup_timeout
+        while not zmq_noop(self.url, self.generation, timeout=0.5):
+            if self.proc.poll() is not None or time.monotonic() > deadline:
+                raise ServerStartError(f"restart failed:\n{self.log_tail()}")
+
+    def status(self) -> dict[str, Any]:
+        """``GET /status``."""
+        return self.http().status()
+
+    def clear(self) -> None:
+        """Clear L1 (``POST /cache/clear`` with force)."""
+        self.http().clear_cache(force=True)
+
+    def __enter__(self) -> LMCacheServer:
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+
+def lmcache_available(python: str | None = None) -> bool:
+    """Whether the interpreter can import the LMCache server."""
+    exe = python or sys.executable
+    if exe == sys.executable:
+        import importlib.util
+
+        return importlib.util.find_spec("lmcache") is not None
+    return shutil.which(exe) is not None

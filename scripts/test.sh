@@ -1,0 +1,13 @@
+#!/usr/bin/env bash
+# The whole test suite: sets everything up, then runs pytest against real LMCache servers
+# (SHM and pickle planes), with the native backend and again with the torch backend.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+./scripts/setup.sh
+export LMCACHE_TRACK_USAGE=false DO_NOT_TRACK=1 LMCACHE_DISABLE_BANNER=1
+PYTEST=".venv/bin/python -m pytest"
+echo "[test] ruff"; .venv/bin/ruff check lmcache_kv_fast tests benches examples
+echo "[test] native backend"
+$PYTEST -q -m "not compat" -p no:cacheprovider "$@"
+echo "[test] torch backend (integration + parity)"
+LMCACHE_KV_FAST_BACKEND=torch $PYTEST -q -m "not compat" -p no:cacheprovider tests/integration "$@"

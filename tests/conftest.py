@@ -1,0 +1,97 @@
+"""Shared fixtures: real LMCache servers (SHM and pickle planes) and registered models."""
+
+from __future__ import annotations
+
+import itertools
+import os
+import random
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+import pytest
+import torch
+
+from lmcache_kv_fast.testing import LMCacheServer, register_vllm_layout
+
+_MODEL_COUNTER = itertools.count()
+
+
+def _start(shm: bool, **kw) -> Iterator[LMCacheServer]:
+    srv = LMCacheServer(shm=shm, **kw)
+    try:
+        srv.start()
+        yield srv
+    finally:
+        srv.stop()
+
+
+@pytest.fixture(scope="session")
+def server_shm() -> Iterator[LMCacheServer]:
+    """A real 0.5.6 server with the SHM data plane."""
+    yield from _start(True, l1_size_gb=1.0)
+
+
+@pytest.fixture(scope="session")
+def server_pickle() -> Iterator[LMCacheServer]:
+    """A real 0.5.6 server with the pickle data plane (no SHM)."""
+    yield from _start(False, l1_size_gb=0.5)
+
+
+@pytest.fixture(params=["shm", "pickle"])
+def server(request: pytest.FixtureRequest) -> LMCacheServer:
+    """Each test runs against both data planes."""
+    return request.getfixturevalue(f"server_{request.param}")
+
+
+@dataclass
+class Model:
+    """A model registered the way vLLM registers it."""
+
+    server: LMCacheServer
+    name: str
+    num_layers: int
+    num_kv_heads: int
+    head_size: int
+    dtype: torch.dtype
+    mla: bool = False
+    world_size: int = 1
+
+    @property
+    def hidden(self) -> int:
+        return self.head_size if self.mla else self.num_kv_heads * self.head_size
+
+    def kv(self, tokens: int, seed: int = 0) -> torch.Tensor:
+        g = torch.Generator().manual_seed(seed)
+        shape = (self.num_layers, tokens, self.hidden) if self.mla else \
+            (2, self.num_layers, tokens, self.hidden)
+        if self.dtype.is_floating_point:
+            return torch.randn(shape, generator=g, dtype=torch.float32).to(self.dtype)
+        return torch.randint(-100, 100, shape, generator=g).to(self.dtype)
+
+
+def unique_model_name(prefix: str = "m") -> str:
+    return f"{prefix}-{os.getpid()}-{next(_MODEL_COUNTER)}"
+
+
+def make_model(server: LMCacheServer, *, num_layers: int = 4, num_kv_heads: int = 8,
+               head_size: int = 128, dtype: torch.dtype = torch.bfloat16, mla: bool = False,
+               layout: str = "NHD", world_size: int = 1, name: str | None = None) -> Model:
+    name = name or unique_model_name()
+    register_vllm_layout(
+        server.url, name, num_layers=num_layers, num_kv_heads=1 if mla else num_kv_heads,
+        head_size=head_size, dtype=str(dtype).removeprefix("torch."),
+        layout="MLA" if mla else layout, world_size=world_size,
+    )
+    return Model(server, name, num_layers, 1 if mla else num_kv_heads, head_size, dtype, mla,
+                 world_size)
+
+
+@pytest.fixture
+def model(server: LMCacheServer) -> Model:
+    """A fresh bf16 two-plane model (4 layers, D=1024) on the parametrized server."""
+    return make_model(server)
+
+
+def rand_tokens(n: int, seed: int | None = None) -> list[int]:
+    rng = random.Random(seed)
+    return [rng.randrange(0, 2**31) for _ in range(n)]

@@ -1,0 +1,84 @@
+"""connect(): fails fast and clearly for each thing that can be wrong."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import time
+
+import pytest
+from conftest import make_model, unique_model_name
+
+import lmcache_kv_fast as lkf
+import lmcache_kv_fast.kvcache as lmc_sdk
+from lmcache_kv_fast.testing import LMCacheServer, free_port
+
+
+def test_unreachable_http_fails_fast():
+    port = free_port()
+    t0 = time.monotonic()
+    with pytest.raises(lkf.KVCacheSDKError, match="failed"):
+        lmc_sdk.connect(f"tcp://127.0.0.1:{free_port()}", f"http://127.0.0.1:{port}", "m",
+                        timeout=60)
+    assert time.monotonic() - t0 < 6
+
+
+def test_nothing_answers_noop_fails_fast(server_shm):
+    t0 = time.monotonic()
+    with pytest.raises(lkf.KVCacheSDKError, match="noop"):
+        lmc_sdk.connect(f"tcp://127.0.0.1:{free_port()}", server_shm.http_url, "m", timeout=60)
+    assert time.monotonic() - t0 < 7
+
+
+def test_model_without_layout(server_shm):
+    name = unique_model_name("nolayout")
+    with pytest.raises(lkf.KVCacheSDKError, match="no registered KV layout") as ei:
+        lmc_sdk.connect(server_shm.url, server_shm.http_url, name, timeout=10)
+    assert "KVLayout" in str(ei.value)
+
+
+def test_lmcache_driven_server_refused():
+    srv = LMCacheServer(shm=False, l1_size_gb=0.25)
+    # the CLI default mode: no engine-driven transfers
+    srv.command = lambda _orig=srv.command: [a if a != "auto" else "lmcache_driven" for a in _orig()]
+    with srv:
+        with pytest.raises(lkf.KVCacheSDKError, match="supported-transfer-mode"):
+            lmc_sdk.connect(srv.url, srv.http_url, "m", timeout=10)
+
+
+@pytest.mark.parametrize("kw, match", [
+    (dict(url="localhost:5555"), "url"),
+    (dict(url="tcp://127.0.0.1"), "url"),
+    (dict(http_url="127.0.0.1:8080"), "http_url"),
+    (dict(http_url="ftp://x:1"), "http_url"),
+    (dict(model_name=""), "model_name"),
+    (dict(model_name="a@b"), "model_name"),
+    (dict(timeout=0), "timeout"),
+    (dict(timeout=float("nan")), "timeout"),
+    (dict(timeout="5"), "timeout"),
+])
+def test_malformed_arguments(kw, match):
+    args = dict(url="tcp://127.0.0.1:1", http_url="http://127.0.0.1:1", model_name="m",
+                timeout=5.0)
+    args.update(kw)
+    with pytest.raises(ValueError, match=match):
+        lmc_sdk.connect(**args)
+
+
+def test_connect_and_context_manager(server):
+    m = make_model(server)
+    with lmc_sdk.connect(server.url, server.http_url, m.name) as ctx:
+        assert not ctx.closed
+        assert ctx.layout.num_layers == m.num_layers
+    assert ctx.closed
+
+
+def test_import_never_loads_lmcache():
+    code = (
+        "import sys, lmcache_kv_fast, lmcache_kv_fast.kvcache\n"
+        "bad = [m for m in sys.modules if m == 'lmcache' or m.startswith('lmcache.')]\n"
+        "assert not bad, bad\nprint('clean')"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert "clean" in out.stdout
