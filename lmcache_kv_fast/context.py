@@ -211,6 +211,8 @@ class LMCacheKVCacheContext:
         self._hb_stop = threading.Event()
         self._hb_thread: threading.Thread | None = None
         self._rid_counter = itertools.count()
+        self._key_locks: dict[tuple[str, tuple[int, ...]], list[Any]] = {}
+        self._key_locks_mutex = threading.Lock()
         _check_connect_args(url, http_url, model_name, timeout, world_size, copy_threads)
         self.url = url
         self.http_url = http_url.rstrip("/")
@@ -407,6 +409,29 @@ class LMCacheKVCacheContext:
                 self._ops -= 1
                 self._ops_cv.notify_all()
 
+    @contextlib.contextmanager
+    def _same_key(self, salt: str, toks: list[int]) -> Iterator[None]:
+        """Serialize prepare→commit of identical keys within this instance.
+
+        The server keys pending transfers by ``(instance_id, key)`` ignoring the request id
+        (doc §3.4): two concurrent identical operations of one instance would overwrite each
+        other's pending entry and leak read locks or staged slots. Different keys never wait.
+        """
+        k = (salt, tuple(toks))
+        with self._key_locks_mutex:
+            entry = self._key_locks.get(k)
+            if entry is None:
+                entry = self._key_locks[k] = [threading.Lock(), 0]
+            entry[1] += 1
+        try:
+            with entry[0]:
+                yield
+        finally:
+            with self._key_locks_mutex:
+                entry[1] -= 1
+                if entry[1] == 0:
+                    del self._key_locks[k]
+
     def _rid(self, kind: str) -> str:
         return f"kvf-{kind}-{self.instance_id:x}-{next(self._rid_counter)}"
 
@@ -601,7 +626,14 @@ class LMCacheKVCacheContext:
                 n = self._lookup_chunks(ch, toks, rid, salt)
                 if n == 0:
                     return None
-                return self._fetch(ch, toks[: n * self._chunk_size], rid, salt, n, out, pending)
+                hit_toks = toks[: n * self._chunk_size]
+                with self._same_key(salt, hit_toks):
+                    try:
+                        return self._fetch(ch, hit_toks, rid, salt, n, out, pending)
+                    finally:
+                        for c in pending:
+                            self._wait_quiet(ch, c)
+                        pending.clear()
             finally:
                 # commit_retrieve (affinity pool) touches the session, so end it afterwards
                 for c in pending:
@@ -699,7 +731,7 @@ class LMCacheKVCacheContext:
         if n == 0:
             return StoreResult(0, 0, 0, 0, 0)
         toks = toks[: n * self._chunk_size]
-        with self._op() as ch:
+        with self._op() as ch, self._same_key(salt, toks):
             if self._shm is not None:
                 return self._store_shm(ch, src, toks, salt, n)
             return self._store_pickle(ch, src, toks, salt, n)

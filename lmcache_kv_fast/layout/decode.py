@@ -695,7 +695,8 @@ def _chunk_object(group: DecodedGroup, chunk_size: int, model_name: str) -> Chun
             f"model {model_name!r}: the server's chunk_size {chunk_size} is not a multiple "
             f"of the block size {group.block_size}"
         )
-    assert group.hidden_size is not None  # single groups always decode D
+    if group.hidden_size is None:  # pragma: no cover - single groups always decode D
+        raise KVCacheSDKError(f"model {model_name!r}: the hidden size could not be decoded")
     return ChunkObject(
         planes=group.planes,
         num_layers=group.num_layers,
