@@ -24,15 +24,9 @@ import time
 import torch
 
 import lmcache_kv_fast.kvcache as lmc_sdk
+from lmcache_kv_fast.demo import drop_every_kth
 
 logger = logging.getLogger("e2e_kv_edit")
-
-
-def drop_every_kth(kv: torch.Tensor, tokens: list[int], k: int) -> tuple[torch.Tensor, list[int]]:
-    """Drop tokens k-1, 2k-1, ... from the KV tensor (dim -2) and the token list."""
-    keep = [i for i in range(len(tokens)) if (i + 1) % k != 0]
-    index = torch.tensor(keep, dtype=torch.long)
-    return kv.index_select(-2, index).contiguous(), [tokens[i] for i in keep]
 
 
 def run(url: str, http_url: str, model: str, *, tokens: int = 2048, k: int = 10,

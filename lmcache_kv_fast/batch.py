@@ -244,7 +244,7 @@ def _run_pipelined(
         for f in done:
             try:
                 report._add(f.result())
-            except BaseException as err:  # noqa: BLE001
+            except BaseException as err:
                 logger.warning("in-flight item failed during cancellation: %r", err)
         report.cancelled += sum(1 for f in window if f.cancelled())
         raise
@@ -295,7 +295,7 @@ def retrieve_many(
         t = time.perf_counter()
         try:
             kv = ctx.retrieve(toks, cache_salt, out=buf)
-        except Exception as err:  # noqa: BLE001 - recorded per item
+        except Exception as err:
             if buf is not None:
                 out_pool.release(buf)  # type: ignore[union-attr]
             return _fail(res, "retrieve", err)
@@ -348,7 +348,7 @@ def store_many(
         t = time.perf_counter()
         try:
             r = ctx.store_ex(kv, toks, cache_salt)
-        except Exception as err:  # noqa: BLE001
+        except Exception as err:
             return _fail(res, "store", err)
         res.stages["store"] = time.perf_counter() - t
         _account_store(res, kv, r)
@@ -393,8 +393,10 @@ def rewrite(
     progress: bool = True,
     reuse_buffers: bool = True,
 ) -> BatchReport:
-    """Retrieve each sequence, apply ``fn(kv, tokens) -> (new_kv, new_tokens)``, store the
-    result under ``new_tokens`` — pipelined.
+    """Rewrite many sequences: retrieve, apply ``fn``, store the edit — pipelined.
+
+    Each sequence is retrieved, ``fn(kv, tokens) -> (new_kv, new_tokens)`` is applied and the
+    result is stored under ``new_tokens``.
 
     ``fn`` gets the retrieved KV (``[2, L, hit, D]``) and the hit's tokens; it must not keep
     a reference to ``kv`` after returning when ``reuse_buffers`` is True (the buffer is
@@ -449,7 +451,7 @@ def rewrite(
             t = time.perf_counter()
             try:
                 kv = ctx.retrieve(toks, cache_salt, out=buf)
-            except Exception as err:  # noqa: BLE001
+            except Exception as err:
                 return _fail(res, "retrieve", err)
             res.stages["retrieve"] = time.perf_counter() - t
             if kv is None:
@@ -460,7 +462,7 @@ def rewrite(
             t = time.perf_counter()
             try:
                 new_kv, new_toks = fn(kv, toks[:hit])
-            except Exception as err:  # noqa: BLE001
+            except Exception as err:
                 return _fail(res, "fn", err)
             res.stages["fn"] = time.perf_counter() - t
             if buf is not None and isinstance(new_kv, torch.Tensor) and \
@@ -469,7 +471,7 @@ def rewrite(
             t = time.perf_counter()
             try:
                 r = ctx.store_ex(new_kv, new_toks, cache_salt)
-            except Exception as err:  # noqa: BLE001
+            except Exception as err:
                 return _fail(res, "store", err)
             res.stages["store"] = time.perf_counter() - t
             _account_store(res, new_kv, r)

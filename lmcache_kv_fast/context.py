@@ -382,7 +382,7 @@ class LMCacheKVCacheContext:
 
     @property
     def dtype(self) -> torch.dtype:
-        """dtype of the KV tensors."""
+        """Dtype of the KV tensors."""
         return self._dtype
 
     def kv_shape(self, tokens: int) -> tuple[int, ...]:
@@ -662,10 +662,8 @@ class LMCacheKVCacheContext:
         result: torch.Tensor | None = None
         try:
             if ok:
-                if out is None:
-                    dst = self._backend.alloc_result(self.kv_shape(hit), self._dtype)
-                else:
-                    dst = out
+                dst = out if out is not None else self._backend.alloc_result(
+                    self.kv_shape(hit), self._dtype)
                 for r in ranks:
                     regions = self._retrieve_regions(resps[r], n, "prepare_retrieve")
                     self._backend.gather(dst, self._geom, range(n), regions,

@@ -21,8 +21,11 @@ class InvalidTypeError(KVCacheSDKError, TypeError):
 
 
 class ServerTimeoutError(KVCacheSDKError, TimeoutError):
-    """The server did not answer in time (it never sends error replies, so this is how
-    rejected requests, dead servers and disabled operations all look)."""
+    """The server did not answer in time.
+
+    It never sends error replies, so this is how rejected requests, dead servers and disabled
+    operations all look.
+    """
 
 
 class ProtocolError(KVCacheSDKError):

@@ -6,6 +6,7 @@ uint8 tensor.
 
 from __future__ import annotations
 
+import itertools
 import mmap
 import os
 from collections.abc import Sequence
@@ -92,7 +93,7 @@ def validate_slots(slots: Sequence[SlotLike], size: int, expected_nbytes: int,
             raise ValueError(f"slot {k}: offset {off} not aligned to {align}")
         spans.append((off, ln))
     ordered = sorted(spans)
-    for (a_off, a_ln), (b_off, _) in zip(ordered, ordered[1:], strict=False):
+    for (a_off, a_ln), (b_off, _) in itertools.pairwise(ordered):
         if b_off < a_off + a_ln:
             raise ValueError(f"slots overlap at offsets {a_off} and {b_off}")
     return spans

@@ -1,5 +1,6 @@
-"""Register a vLLM-like paged KV layout with a real server, the way a vLLM worker does
-(``register_kv_cache``, protocol doc §3.14 and §10.3), without importing ``lmcache``.
+"""Register a vLLM-like paged KV layout with a real server, the way a vLLM worker does.
+
+This is ``register_kv_cache`` (protocol doc §3.14 and §10.3), without importing ``lmcache``.
 
 One POSIX segment holds the per-layer CPU tensors; the server maps it during the call,
 after which the name is unlinked (the server keeps its mapping).
@@ -120,7 +121,7 @@ def register_vllm_layout(
     client = ZmqClient(url, generation, timeout)
     reg = VllmLikeRegistration(url, [], model_name, world_size, generation)
     try:
-        for rank in range(world_size):
+        for _rank in range(world_size):
             seg = f"/lmckvf_kv_{os.getpid()}_{next(_SEG_COUNTER)}_{secrets.token_hex(2)}"
             fd = os.open(f"/dev/shm{seg}", os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
             try:

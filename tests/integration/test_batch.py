@@ -40,7 +40,7 @@ def test_store_many_and_retrieve_many_equal_sequential(small):
     assert rep.tokens_moved == sum(kv.shape[2] for kv, _ in seqs)
     got = list(batch.retrieve_many(ctx, [t for _, t in seqs] + [rand_tokens(C, seed=999)]))
     assert [i for i, _ in got] == list(range(11))
-    for (i, kv), (kv_ref, toks) in zip(got, seqs, strict=False):
+    for (_i, kv), (kv_ref, toks) in zip(got, seqs, strict=False):
         assert torch.equal(kv, kv_ref)
         assert torch.equal(kv, ctx.retrieve(toks))
     assert got[10][1] is None
