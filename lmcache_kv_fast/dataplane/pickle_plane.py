@@ -87,7 +87,7 @@ def safe_loads_chunks(data: bytes | memoryview, count: int, numel: int,
     """
     try:
         obj = RestrictedUnpickler(io.BytesIO(data)).load()
-    except Exception as err:  # noqa: BLE001 - any unpickling failure is the peer's fault
+    except Exception as err:
         raise ProtocolError(f"{what}: refused server pickle data: {err}") from err
     if not isinstance(obj, list) or len(obj) != count:
         got = f"list of {len(obj)}" if isinstance(obj, list) else type(obj).__name__

@@ -5,7 +5,15 @@ from __future__ import annotations
 from typing import Any
 
 from lmcache_kv_fast.errors import KVCacheSDKError
-from lmcache_kv_fast.protocol.ops import GEN_051, GEN_053, GEN_055, NEWEST, Generation, generation_for, parse_version
+from lmcache_kv_fast.protocol.ops import (
+    GEN_051,
+    GEN_053,
+    GEN_055,
+    NEWEST,
+    Generation,
+    generation_for,
+    parse_version,
+)
 
 
 def detect_generation(version: str | None, mp_config: dict[str, Any]) -> tuple[Generation, bool]:

@@ -8,9 +8,9 @@ talks to: an old id can execute a *different* operation on a newer server (doc A
 from __future__ import annotations
 
 import enum
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from types import MappingProxyType
-from typing import Mapping
 
 
 class Op(str, enum.Enum):

@@ -216,7 +216,7 @@ class LMCacheServer:
                 )
             try:
                 http.get("/config")
-            except Exception:  # noqa: BLE001 - not up yet
+            except Exception:
                 time.sleep(0.2)
                 continue
             if zmq_noop(self.url, self.generation, timeout=1.0):

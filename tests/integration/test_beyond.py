@@ -14,7 +14,6 @@ from conftest import make_model, rand_tokens, unique_model_name
 import lmcache_kv_fast as lkf
 import lmcache_kv_fast.kvcache as lmc_sdk
 from lmcache_kv_fast import KVLayout
-from lmcache_kv_fast.copy import ChunkGeometry, Region
 from lmcache_kv_fast.copy.torch_backend import open_segment
 from lmcache_kv_fast.dataplane.pickle_plane import dumps_chunks
 from lmcache_kv_fast.protocol import codec
@@ -236,7 +235,7 @@ def test_thread_safety_stress(server):
                             errors.append(f"mismatch on {i}")
                     else:
                         ctx.lookup(toks)
-                except Exception as err:  # noqa: BLE001
+                except Exception as err:
                     errors.append(f"{op} {i}: {err!r}")
                 with lock:
                     counts[op] += 1

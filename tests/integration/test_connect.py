@@ -41,9 +41,8 @@ def test_lmcache_driven_server_refused():
     srv = LMCacheServer(shm=False, l1_size_gb=0.25)
     # the CLI default mode: no engine-driven transfers
     srv.command = lambda _orig=srv.command: [a if a != "auto" else "lmcache_driven" for a in _orig()]
-    with srv:
-        with pytest.raises(lkf.KVCacheSDKError, match="supported-transfer-mode"):
-            lmc_sdk.connect(srv.url, srv.http_url, "m", timeout=10)
+    with srv, pytest.raises(lkf.KVCacheSDKError, match="supported-transfer-mode"):
+        lmc_sdk.connect(srv.url, srv.http_url, "m", timeout=10)
 
 
 @pytest.mark.parametrize("kw, match", [
