@@ -22,6 +22,7 @@ import re
 import secrets
 import threading
 import time
+import warnings
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from types import ModuleType
@@ -30,7 +31,8 @@ from typing import Any
 import torch
 
 from lmcache_kv_fast.copy import ChunkGeometry, Region, backend
-from lmcache_kv_fast.dataplane.pickle_plane import dumps_chunks, safe_loads_chunks
+from lmcache_kv_fast.dataplane.pickle_fast import ChunkFrameBuilder, locate_chunks
+from lmcache_kv_fast.dataplane.pickle_plane import safe_loads_chunks
 from lmcache_kv_fast.dataplane.shm import ShmPlane
 from lmcache_kv_fast.errors import (
     ContextClosedError,
@@ -67,6 +69,8 @@ logger = logging.getLogger(__name__)
 
 #: connect() probes give up after this long for an unreachable peer.
 CONNECT_PROBE_TIMEOUT_S = 5.0
+#: After a timeout, ``/status`` is asked (this fast) whether the server forgot us.
+RESTART_PROBE_TIMEOUT_S = 1.0
 #: Seconds one ``wait_prefetch_status`` may block the server's normal pool.
 PREFETCH_WAIT_SLICE_S = 0.1
 
@@ -202,8 +206,12 @@ class LMCacheKVCacheContext:
     ) -> None:
         self._closed = False
         self._closing = False
+        #: Set once the server is known to have forgotten this instance (restart / reap).
+        self._forgotten: str | None = None
+        self._peer_lost = False
         self._zmq: ZmqClient | None = None
         self._shm: ShmPlane | None = None
+        self._builder: ChunkFrameBuilder | None = None
         self._registered = False
         self._uncommitted = 0
         self._ops = 0
@@ -403,11 +411,56 @@ class LMCacheKVCacheContext:
             self._ops += 1
         try:
             assert self._zmq is not None
-            yield self._zmq.channel()
+            if self._forgotten is not None:
+                raise KVCacheSDKError(self._forgotten)
+            ch = self._zmq.channel()
+            ch.unresponsive = False  # every operation starts with the full timeout
+            if ch.peer_lost() or self._peer_lost:
+                self._check_registration()
+            try:
+                yield ch
+            except ServerTimeoutError as err:
+                better = self._explain_timeout(err)
+                if better is None:
+                    raise
+                raise better from err
         finally:
             with self._ops_cv:
                 self._ops -= 1
                 self._ops_cv.notify_all()
+
+    def _check_registration(self) -> None:
+        """After a dropped connection: fail now if the server no longer knows us.
+
+        Raises:
+            KVCacheSDKError: The server restarted or reaped this instance (reconnect).
+        """
+        try:
+            st = HttpInfoClient(self.http_url, RESTART_PROBE_TIMEOUT_S).status()
+        except KVCacheSDKError:
+            self._peer_lost = True  # still down: check again on the next operation
+            return
+        self._peer_lost = False
+        regs = st.get("non_cuda_context_meta")
+        if isinstance(regs, dict) and str(self.instance_id) not in regs:
+            self._forgotten = (
+                f"the LMCache server at {self.url} no longer knows this client (instance "
+                f"{self.instance_id} is not registered: the server restarted or reaped it); "
+                "this context cannot be used any more: close it and reconnect with connect()"
+            )
+            raise KVCacheSDKError(self._forgotten)
+
+    def _explain_timeout(self, err: ServerTimeoutError) -> ServerTimeoutError | None:
+        """Explain a timeout when the server forgot this instance (restart or reap).
+
+        If ``/status`` answers without this instance's registration, later operations
+        fail fast with the same reconnect message; otherwise the timeout stands (None).
+        """
+        try:
+            self._check_registration()
+        except KVCacheSDKError:
+            return ServerTimeoutError(f"{self._forgotten}. ({err})")
+        return None
 
     @contextlib.contextmanager
     def _same_key(self, salt: str, toks: list[int]) -> Iterator[None]:
@@ -447,6 +500,8 @@ class LMCacheKVCacheContext:
         """Validate a KV tensor to store; return a contiguous CPU ``[P, L, T, D]`` view."""
         if not isinstance(kv, torch.Tensor):
             raise InvalidTypeError(f"kv must be a torch.Tensor, got {type(kv).__name__}")
+        if kv.layout != torch.strided:
+            raise InvalidArgumentError(f"kv must be a dense (strided) tensor, got {kv.layout}")
         lay = self.layout
         if kv.dtype != self._dtype:
             raise InvalidTypeError(
@@ -469,7 +524,12 @@ class LMCacheKVCacheContext:
         if kv.requires_grad:
             kv = kv.detach()
         if kv.device.type != "cpu":
-            kv = kv.cpu()
+            try:
+                kv = kv.cpu()
+            except RuntimeError as err:  # e.g. the meta device: no data
+                raise InvalidArgumentError(
+                    f"kv is on device {kv.device} and cannot be copied to the CPU: {err}"
+                ) from err
         if not kv.is_contiguous():
             kv = kv.contiguous()
         return kv if kv.dim() == 4 else kv.unsqueeze(0)
@@ -477,6 +537,10 @@ class LMCacheKVCacheContext:
     def _check_out(self, out: Any, tokens: int) -> torch.Tensor:
         if not isinstance(out, torch.Tensor):
             raise InvalidTypeError(f"out must be a torch.Tensor, got {type(out).__name__}")
+        if out.layout != torch.strided:
+            raise InvalidArgumentError(f"out must be a dense (strided) tensor, got {out.layout}")
+        if out.requires_grad:
+            raise InvalidArgumentError("out must not require grad (it is written in place)")
         lay = self.layout
         if out.dtype != self._dtype:
             raise InvalidTypeError(f"out has dtype {out.dtype}, expected {self._dtype}")
@@ -686,8 +750,20 @@ class LMCacheKVCacheContext:
             return self._shm.regions(slots, self._geom, self.layout.dtype_str, what)
         if not resp.data:
             raise ProtocolError(f"{what}: a hit with neither slots nor data")
-        chunks = safe_loads_chunks(resp.data, n, self._geom.chunk_nbytes // self._geom.itemsize,
-                                   self._dtype, what)
+        numel = self._geom.chunk_nbytes // self._geom.itemsize
+        spans = locate_chunks(resp.data, n, numel, self._dtype, what)
+        if spans is not None:  # zero-copy: read the chunk bytes where they lie in the frame
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore", UserWarning)  # read-only buffer: we only read
+                flat = torch.frombuffer(resp.data, dtype=torch.uint8)
+            base = flat.data_ptr()
+            isz = self._geom.itemsize
+            if self._backend.NAME == "torch" and any((base + off) % isz for off, _ in spans):
+                # torch cannot view misaligned bytes as the dtype: one aligned copy each
+                return [Region.of_tensor(flat[off:off + ln].clone()) for off, ln in spans]
+            return [Region(base + off, ln, flat[off:off + ln]) for off, ln in spans]
+        chunks = safe_loads_chunks(resp.data, n, numel, self._dtype, what,
+                                   self._geom.object_shape())
         return [Region.of_tensor(t) for t in chunks]
 
     # ------------------------------------------------------------------ store
@@ -811,15 +887,18 @@ class LMCacheKVCacheContext:
         rid = self._rid("s")
         commits: list[PendingCall] = []
         try:
+            builder = self._frame_builder()
+            frames = []  # kept alive until the replies came (zero-copy sends)
             for r in range(self.world_size):
                 key = self._key(toks, k0 * c, n * c, rid, salt, r)
-                chunks = [torch.empty(self._object_shape, dtype=self._dtype)
-                          for _ in range(k0, n)]
-                self._backend.scatter(src, self._geom, range(k0, n),
-                                      [Region.of_tensor(x) for x in chunks], self._shard_cols[r])
-                payload = codec.encode(dumps_chunks(chunks))
-                del chunks
-                commits.append(ch.send(Op.COMMIT_STORE, [key, self.instance_id], raw=[payload]))
+                backing, frame, offsets = builder.build(n - k0)
+                flat = torch.frombuffer(frame, dtype=torch.uint8)
+                base = flat.data_ptr()
+                regions = [Region(base + o, builder.nbytes, flat[o:o + builder.nbytes])
+                           for o in offsets]
+                self._backend.scatter(src, self._geom, range(k0, n), regions, self._shard_cols[r])
+                frames.append(backing)
+                commits.append(ch.send(Op.COMMIT_STORE, [key, self.instance_id], raw=[frame]))
         finally:
             ok = True
             for cm in commits:
@@ -835,6 +914,12 @@ class LMCacheKVCacheContext:
         if not ok:
             logger.warning("pickle commit_store reported a partial write; verified by lookup")
         return StoreResult(present * c, n, written, min(k0, present), n - present)
+
+    def _frame_builder(self) -> ChunkFrameBuilder:
+        b = self._builder
+        if b is None:
+            b = self._builder = ChunkFrameBuilder(self._object_shape, self._dtype)
+        return b
 
     # ------------------------------------------------------------------ liveness
     def _start_heartbeat(self) -> None:
@@ -902,7 +987,8 @@ class LMCacheKVCacheContext:
         if self._hb_thread is not None and self._hb_thread is not threading.current_thread():
             self._hb_thread.join(timeout=2.0)
         zmq_client = self._zmq
-        if zmq_client is not None and self._registered and not zmq_client.closing:
+        if zmq_client is not None and self._registered and not zmq_client.closing and \
+                self._forgotten is None:
             if self._uncommitted:
                 logger.warning(
                     "not unregistering instance %d: %d prepared store(s) were never committed "
@@ -962,11 +1048,16 @@ def _align_from_config(cfg: dict[str, Any]) -> int:
 
 def _check_connect_args(url: Any, http_url: Any, model_name: Any, timeout: Any,
                         world_size: Any, copy_threads: Any) -> None:
-    if not isinstance(url, str) or not _ZMQ_URL.match(url):
-        raise InvalidArgumentError(f"url must look like 'tcp://host:port', got {url!r:.80}")
-    if not isinstance(http_url, str) or not _HTTP_URL.match(http_url):
+    if not isinstance(url, str) or not _ZMQ_URL.match(url) or \
+            not 0 < int(url.rsplit(":", 1)[1]) < 65536:
         raise InvalidArgumentError(
-            f"http_url must look like 'http://host:port', got {http_url!r:.80}"
+            f"url must look like 'tcp://host:port' (port 1..65535), got {url!r:.80}"
+        )
+    if not isinstance(http_url, str) or not _HTTP_URL.match(http_url) or (
+        (m := re.search(r":(\d+)/?$", http_url)) is not None and not 0 < int(m[1]) < 65536
+    ):
+        raise InvalidArgumentError(
+            f"http_url must look like 'http://host:port' (port 1..65535), got {http_url!r:.80}"
         )
     if not isinstance(model_name, str) or not model_name:
         raise InvalidArgumentError(f"model_name must be a non-empty str, got {model_name!r:.80}")

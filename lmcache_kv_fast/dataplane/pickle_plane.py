@@ -40,6 +40,18 @@ def _rebuild_tensor(storage: Any, storage_offset: Any, size: Any, stride: Any,
         raise pickle.UnpicklingError("tensor size/stride/offset must be integers")
     if backward_hooks:
         raise pickle.UnpicklingError("tensor with backward hooks")
+    # torch's rebuild *resizes* a too-small storage (huge allocations, uninitialised
+    # bytes): the view must lie inside the storage the peer actually sent.
+    if not isinstance(storage, torch.TypedStorage) or len(size) != len(stride) or \
+            storage_offset < 0 or any(x < 0 for x in (*size, *stride)):
+        raise pickle.UnpicklingError("tensor storage/size/stride/offset out of range")
+    if all(size) and storage_offset + sum((n - 1) * s for n, s in zip(size, stride,
+                                                                     strict=True)) >= \
+            storage._size():
+        raise pickle.UnpicklingError(
+            f"tensor view {size}/{stride}+{storage_offset} exceeds its storage of "
+            f"{storage._size()} elements"
+        )
     return torch._utils._rebuild_tensor_v2(storage, storage_offset, size, stride, False,
                                            collections.OrderedDict())
 
@@ -69,7 +81,8 @@ class RestrictedUnpickler(pickle.Unpickler):
 
 
 def safe_loads_chunks(data: bytes | memoryview, count: int, numel: int,
-                      dtype: torch.dtype, what: str) -> list[torch.Tensor]:
+                      dtype: torch.dtype, what: str,
+                      shape: Sequence[int] | None = None) -> list[torch.Tensor]:
     """Unpickle a server chunk list safely and check it.
 
     Args:
@@ -78,6 +91,9 @@ def safe_loads_chunks(data: bytes | memoryview, count: int, numel: int,
         numel: Expected elements per chunk (shape ``[P, L, C, W]`` or ``[1, L, C, W]``).
         dtype: Expected dtype.
         what: Operation name for messages.
+        shape: Expected chunk shape ``[P, L, C, W]``; when given, a tensor must have
+            exactly it (or, for ``P == 1``, ``[L, C, W]``): same-size tensors of another
+            geometry are refused, never reinterpreted.
 
     Returns:
         The chunk tensors, each contiguous on the CPU.
@@ -95,14 +111,20 @@ def safe_loads_chunks(data: bytes | memoryview, count: int, numel: int,
     for k, t in enumerate(obj):
         if not isinstance(t, torch.Tensor):
             raise ProtocolError(f"{what}: chunk {k} is a {type(t).__name__}, not a tensor")
-        if t.device.type != "cpu" or t.dtype != dtype or t.numel() != numel:
+        if t.device.type != "cpu" or t.dtype != dtype or t.numel() != numel or (
+            shape is not None and not _shape_ok(tuple(t.shape), tuple(shape))
+        ):
             raise ProtocolError(
                 f"{what}: chunk {k} is {t.dtype} {tuple(t.shape)} on {t.device}, expected "
-                f"{dtype} with {numel} elements on cpu"
+                f"{dtype} {list(shape) if shape is not None else ''} with {numel} elements on cpu"
             )
         if not t.is_contiguous():
             obj[k] = t.contiguous()
     return obj
+
+
+def _shape_ok(got: tuple[int, ...], want: tuple[int, ...]) -> bool:
+    return got == want or (want[:1] == (1,) and got == want[1:])
 
 
 def dumps_chunks(chunks: Sequence[torch.Tensor]) -> bytes:

@@ -25,10 +25,14 @@ def check_slots_match(slots: Sequence[Slot], geom: ChunkGeometry, dtype_str: str
     """
     want = geom.chunk_nbytes
     elems = want // geom.itemsize
+    obj = list(geom.object_shape())
+    # Same-size objects of another geometry would be silently reinterpreted: refuse them.
+    shapes = (obj, obj[1:]) if geom.planes == 1 else (obj,)
     for k, s in enumerate(slots):
         if s.dtype.removeprefix("torch.") != dtype_str:
             raise ProtocolError(f"{what}: slot {k} has dtype {s.dtype!r}, expected {dtype_str!r}")
-        if any(d < 0 for d in s.shape) or math.prod(s.shape) != elems or s.length != want:
+        if any(d < 0 for d in s.shape) or math.prod(s.shape) != elems or s.length != want or \
+                list(s.shape) not in shapes:
             raise ProtocolError(
                 f"{what}: slot {k} is {s.shape} / {s.length} bytes, expected "
                 f"{list(geom.object_shape())} / {want} bytes"

@@ -77,7 +77,8 @@ class PrepareRetrieveResponse(msgspec.Struct, kw_only=True):
     """Reply of ``prepare_retrieve`` (doc §4.4)."""
 
     success: bool
-    data: bytes = b""
+    #: pickle bytes on the pickle plane; a zero-copy view of the received frame
+    data: memoryview = msgspec.field(default_factory=lambda: memoryview(b""))
     context: PrepareRetrieveContext = msgspec.field(default_factory=PrepareRetrieveContext)
 
 

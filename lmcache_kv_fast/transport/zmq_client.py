@@ -30,6 +30,10 @@ logger = logging.getLogger(__name__)
 
 _NONE = object()  # marker: a 2-frame reply (handler returned None)
 _POLL_SLICE_MS = 100  # wake up this often to notice close()
+#: After a call of a channel timed out, its later waits (cleanup of the same operation:
+#: commit / free_lookup_locks / end_session ...) give up after this long, until the server
+#: is heard from again, so a dead server costs one timeout per operation, not one per call.
+UNRESPONSIVE_TIMEOUT_S = 0.5
 
 # uids are unique per process (and so per socket); start at a random point so two
 # processes never look alike in server logs.
@@ -56,10 +60,14 @@ class Channel:
         self.sock.setsockopt(zmq.LINGER, 0)
         self.sock.setsockopt(zmq.RCVHWM, 0)
         self.sock.setsockopt(zmq.SNDHWM, 0)
+        # Disconnects (server killed or restarted) are noticed here; see peer_lost().
+        self._monitor: zmq.Socket | None = self.sock.get_monitor_socket(zmq.EVENT_DISCONNECTED)
         self.sock.connect(client.url)
         self._inflight: dict[bytes, PendingCall] = {}
         self._parked: dict[bytes, list[Any]] = {}
         self.owner = threading.get_ident()
+        #: A call timed out and nothing was received since (see UNRESPONSIVE_TIMEOUT_S).
+        self.unresponsive = False
 
     # -- sending ---------------------------------------------------------------------
     def send(self, op: Op, payloads: Sequence[Any] = (), *, raw: Sequence[bytes] = ()) -> PendingCall:
@@ -107,6 +115,8 @@ class Channel:
             ContextClosedError: The client was closed while waiting.
         """
         timeout = self._client.timeout if timeout is None else timeout
+        if self.unresponsive:
+            timeout = min(timeout, UNRESPONSIVE_TIMEOUT_S)
         deadline = time.monotonic() + timeout
         key = call.uid_frame
         try:
@@ -139,6 +149,7 @@ class Channel:
                 )
             remaining = deadline - time.monotonic()
             if remaining <= 0:
+                self.unresponsive = True
                 raise ServerTimeoutError(self._client.timeout_message(call.op, timeout))
             wait_ms = max(1, min(int(remaining * 1000) + 1, _POLL_SLICE_MS))
             if self.sock.poll(wait_ms, zmq.POLLIN):
@@ -151,6 +162,7 @@ class Channel:
                 frames = self.sock.recv_multipart(zmq.NOBLOCK, copy=False)
             except zmq.Again:
                 return
+            self.unresponsive = False  # the server is alive (even a late reply says so)
             uid_frame = frames[0].bytes if frames else b""
             if uid_frame not in self._inflight:
                 logger.debug("dropping a reply for unknown or timed-out uid %r", uid_frame[:16])
@@ -169,9 +181,25 @@ class Channel:
         """Send one request and wait for its reply (see :meth:`send`, :meth:`wait`)."""
         return self.wait(self.send(op, payloads, raw=raw), resp_type, timeout)
 
+    def peer_lost(self) -> bool:
+        """Whether the connection to the server dropped since the last call.
+
+        It drops when the server is killed or restarted; the socket reconnects by itself.
+        """
+        lost = False
+        mon = self._monitor
+        while mon is not None and mon.poll(0):
+            mon.recv_multipart()
+            lost = True
+        return lost
+
     def close(self) -> None:
         """Close the socket (only from the owning thread or after it is gone)."""
+        mon, self._monitor = self._monitor, None
         try:
+            if mon is not None:
+                self.sock.disable_monitor()
+                mon.close(linger=0)
             self.sock.close(linger=0)
         except zmq.ZMQError:  # pragma: no cover - already closed
             pass
@@ -249,7 +277,8 @@ class ZmqClient:
         return (
             f"{op.value} to {self.url} got no reply within {timeout:g}s. Likely causes: the "
             "server is not running or not reachable at that URL; the server was restarted or "
-            "killed; the operation is not enabled (start the server with "
+            "killed (a restarted server has forgotten this client: reconnect with connect()); "
+            "the operation is not enabled (start the server with "
             "--supported-transfer-mode auto or engine_driven); or the server rejected the "
             f"request (server generation {self.generation.name}; it sends no error replies, "
             "see its log)"
