@@ -1,0 +1,61 @@
+"""The command line against a real server: info, demo, server."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+from conftest import make_model
+
+from lmcache_kv_fast.cli import main
+
+
+def test_info_json_lists_decoded_models(server_shm, capsys):
+    m = make_model(server_shm, num_layers=3, num_kv_heads=4, head_size=64, layout="HND")
+    assert main(["info", "--http-url", server_shm.http_url, "--model", m.name, "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["server_version"].startswith("0.5.6")
+    assert out["chunk_size"] == 256
+    (entry,) = out["models"][m.name]
+    assert entry["world_size"] == 1
+    assert "NL_X_TWO_NB_NH_BS_HS" in entry["groups"][0]
+    assert "[2, 3, 256, 256]" in entry["sdk"]
+
+
+def test_info_text(server_pickle, capsys):
+    m = make_model(server_pickle, mla=True, num_layers=2, head_size=576)
+    assert main(["info", "--http-url", server_pickle.http_url]) == 0
+    text = capsys.readouterr().out
+    assert m.name in text and "pickle plane" in text
+
+
+def test_demo_batch_small(server_shm, capsys):
+    m = make_model(server_shm, num_layers=2, num_kv_heads=8, head_size=128)
+    rc = main(["demo", "--url", server_shm.url, "--http-url", server_shm.http_url,
+               "--model", m.name, "--sequences", "4", "--tokens", "600", "--layers", "2",
+               "--no-progress"])
+    assert rc == 0
+    out = capsys.readouterr().out
+    assert "4 items: 4 ok" in out
+
+
+def test_server_command_starts_and_stops():
+    env = {**os.environ}
+    p = subprocess.Popen([sys.executable, "-m", "lmcache_kv_fast", "server", "--l1-size-gb", "0.25",
+                          "--register", "cli-model", "--layers", "2"],
+                         stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, env=env)
+    try:
+        line = p.stdout.readline()
+        info = json.loads(line)
+        assert info["url"].startswith("tcp://127.0.0.1:") and info["shm"]
+        assert os.path.exists(f"/dev/shm/{info['shm']}")
+        assert main(["info", "--http-url", info["http_url"], "--model", "cli-model", "--json"]) == 0
+    finally:
+        p.send_signal(signal.SIGTERM)
+        p.wait(30)
+    time.sleep(0.2)
+    assert not os.path.exists(f"/dev/shm/{info['shm']}")
