@@ -30,6 +30,7 @@ from typing import Any
 
 import torch
 
+from lmcache_kv_fast import events as _events
 from lmcache_kv_fast.copy import ChunkGeometry, Region, backend
 from lmcache_kv_fast.dataplane.pickle_fast import ChunkFrameBuilder, locate_chunks
 from lmcache_kv_fast.dataplane.pickle_plane import safe_loads_chunks
@@ -323,6 +324,8 @@ class LMCacheKVCacheContext:
         self.layout: KVLayout = layout
         self.world_size: int = ws
         self._setup_geometry()
+        _check_chunk_fits(self._geom.chunk_nbytes, _l1_bytes_from_config(cfg),
+                          "the server's L1 (/config size_in_bytes)")
 
         payload = RegisterEngineDrivenContextPayload(
             instance_id=self.instance_id,
@@ -348,6 +351,7 @@ class LMCacheKVCacheContext:
         if resp.shm_name:
             self._shm = ShmPlane(self._backend, resp.shm_name, resp.pool_size, self._align)
             self.transport = "shm"
+            _check_chunk_fits(self._geom.chunk_nbytes, resp.pool_size, "the server's SHM pool")
         else:
             self.transport = "pickle"
         logger.info(
@@ -751,7 +755,7 @@ class LMCacheKVCacheContext:
         if not resp.data:
             raise ProtocolError(f"{what}: a hit with neither slots nor data")
         numel = self._geom.chunk_nbytes // self._geom.itemsize
-        spans = locate_chunks(resp.data, n, numel, self._dtype, what)
+        spans = locate_chunks(resp.data, n, numel, self._dtype, what, self._geom.object_shape())
         if spans is not None:  # zero-copy: read the chunk bytes where they lie in the frame
             with warnings.catch_warnings():
                 warnings.simplefilter("ignore", UserWarning)  # read-only buffer: we only read
@@ -807,8 +811,13 @@ class LMCacheKVCacheContext:
         toks = toks[: n * self._chunk_size]
         with self._op() as ch, self._same_key(salt, toks):
             if self._shm is not None:
-                return self._store_shm(ch, src, toks, salt, n)
-            return self._store_pickle(ch, src, toks, salt, n)
+                result = self._store_shm(ch, src, toks, salt, n)
+            else:
+                result = self._store_pickle(ch, src, toks, salt, n)
+        if result.tokens_stored and _events.has_listeners(self.model_name):
+            # SDK stores produce no `stored` KV events on the server (doc §11 #21): announce
+            _events.announce_store(self, toks, salt, result.tokens_stored // self._chunk_size)
+        return result
 
     def _store_shm(self, ch: Channel, src: torch.Tensor, toks: list[int], salt: str,
                    n: int) -> StoreResult:
@@ -1034,6 +1043,23 @@ def _positive_int(v: Any, what: str) -> int:
     if type(v) is not int or v <= 0:
         raise ProtocolError(f"{what}: expected a positive integer, got {v!r:.60}")
     return v
+
+
+def _l1_bytes_from_config(cfg: dict[str, Any]) -> Any:
+    try:
+        return cfg["storage_manager"]["l1_manager_config"]["memory_config"]["size_in_bytes"]
+    except (KeyError, TypeError):
+        return None
+
+
+def _check_chunk_fits(chunk_nbytes: int, capacity: Any, what: str) -> None:
+    """Refuse a geometry whose chunk object cannot fit the server (absurd or hostile sizes)."""
+    if type(capacity) is int and capacity > 0 and chunk_nbytes > capacity:
+        raise KVCacheSDKError(
+            f"one chunk object of this model is {chunk_nbytes} bytes but {what} holds "
+            f"{capacity} bytes: nothing could ever be stored (check the model geometry, "
+            "--chunk-size and --l1-size-gb)"
+        )
 
 
 def _align_from_config(cfg: dict[str, Any]) -> int:
