@@ -80,6 +80,7 @@ def register_vllm_layout(
     world_size: int = 1,
     generation: Generation = GEN_056,
     timeout: float = 30.0,
+    engine_groups: list[EngineGroupInfo] | None = None,
 ) -> VllmLikeRegistration:
     """Register a vLLM-like layout: one ``register_kv_cache`` per TP rank.
 
@@ -97,6 +98,8 @@ def register_vllm_layout(
         world_size: Number of TP ranks to register.
         generation: Server generation (operation ids).
         timeout: Seconds per call.
+        engine_groups: vLLM KV-cache groups (default: one full-attention group of all
+            layers); several groups make a hybrid model.
 
     Returns:
         The registration (instance ids, for ``unregister``).
@@ -147,9 +150,9 @@ def register_vllm_layout(
                     }))
                     for layer in range(num_layers)
                 ]
-                groups = [EngineGroupInfo(engine_group_id=0,
-                                          layer_indices=tuple(range(num_layers)),
-                                          tokens_per_block=block_size)]
+                groups = list(engine_groups) if engine_groups else [
+                    EngineGroupInfo(engine_group_id=0, layer_indices=tuple(range(num_layers)),
+                                    tokens_per_block=block_size)]
                 iid = secrets.randbits(31) + 1
                 client.call(
                     Op.REGISTER_KV_CACHE,

@@ -59,3 +59,30 @@ def test_server_command_starts_and_stops():
         p.wait(30)
     time.sleep(0.2)
     assert not os.path.exists(f"/dev/shm/{info['shm']}")
+
+
+def test_hybrid_model_refused_and_listed_per_group(server_pickle, capsys):
+    import pytest
+
+    import lmcache_kv_fast as lkf
+    from lmcache_kv_fast.layout import EngineGroupInfo
+    from lmcache_kv_fast.testing import register_vllm_layout
+
+    name = f"hybrid-{os.getpid()}"
+    register_vllm_layout(server_pickle.url, name, num_layers=4, num_kv_heads=4, head_size=64,
+                         engine_groups=[
+                             EngineGroupInfo(engine_group_id=0, layer_indices=(0, 2),
+                                             tokens_per_block=16),
+                             EngineGroupInfo(engine_group_id=1, layer_indices=(1, 3),
+                                             tokens_per_block=16, sw_size_tokens=128)])
+    with pytest.raises(lkf.KVCacheSDKError) as ei:
+        lkf.connect(server_pickle.url, server_pickle.http_url, name)
+    msg = str(ei.value)
+    assert "2 kernel groups" in msg and "layers 0, 2" in msg and "layers 1, 3" in msg
+    assert "block_size 16" in msg and "NL_X_TWO_NB_BS_NH_HS" in msg
+    # nothing was registered for the model by the refused connect
+    metas = server_pickle.status().get("non_cuda_context_meta", {}).values()
+    assert not any(m.get("model_name") == name for m in metas)
+    assert main(["info", "--http-url", server_pickle.http_url, "--model", name, "--json"]) == 0
+    (entry,) = json.loads(capsys.readouterr().out)["models"][name]
+    assert len(entry["groups"]) == 2 and "hybrid" in entry["sdk"]
