@@ -967,6 +967,21 @@ class LMCacheKVCacheContext:
         except ContextClosedError:
             return
 
+    def clear(self, force: bool = False) -> None:
+        """Clear the server's L1 cache: every model's KV, not only this context's.
+
+        Args:
+            force: Also drop objects that are read- or write-locked by running lookups,
+                retrieves or stores (of any client). Servers before 0.5.6 always do that:
+                their ``clear`` has no ``force`` payload and forces.
+        """
+        gen = self.generation
+        if not force and not gen.clear_takes_force:
+            logger.debug("LMCache %s has no unforced clear; clearing locked objects too",
+                         self.server_version)
+        with self._op() as ch:
+            ch.call(Op.CLEAR, [bool(force)] if gen.clear_takes_force else [], None)
+
     def ping(self) -> bool:
         """Ping the server for this instance (refreshes liveness); True when it answered."""
         with self._op() as ch:

@@ -8,6 +8,7 @@ talks to: an old id can execute a *different* operation on a newer server (doc A
 from __future__ import annotations
 
 import enum
+import re
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from types import MappingProxyType
@@ -133,12 +134,14 @@ GEN_053 = Generation(
     op_ids=MappingProxyType(_IDS_053),
     clear_takes_force=False,
     requires_num_kv_readers=False,
+    ipc_wrapper_ext=False,  # DeviceIPCWrapper.Serialize is pickle up to 0.5.5
 )
 GEN_055 = Generation(
     name="0.5.5",
     versions=("0.5.5",),
     op_ids=MappingProxyType(_IDS_053),
     clear_takes_force=False,
+    ipc_wrapper_ext=False,
 )
 GEN_056 = Generation(
     name="0.5.6",
@@ -153,18 +156,29 @@ NEWEST = GEN_056
 
 
 def generation_for(version: str) -> Generation | None:
-    """Return the generation of an exact ``major.minor.patch`` server version, or None."""
-    core = version.strip().strip('"').lstrip("v").split("-")[0].split("+")[0]
+    """Return the generation of a ``major.minor.patch`` server version, or None.
+
+    Suffixes are ignored (``"0.5.4.post1"``, ``"0.5.6-g3e11e108"``).
+    """
+    parsed = parse_version(version)
+    if parsed is None or len(parsed) < 3:
+        return None
+    core = ".".join(str(p) for p in parsed[:3])
     for gen in GENERATIONS:
         if core in gen.versions:
             return gen
     return None
 
 
+_VERSION_RE = re.compile(r"v?(\d+(?:\.\d+)+)")
+
+
 def parse_version(version: str) -> tuple[int, ...] | None:
-    """Parse ``"0.5.6-g3e11e108"`` into ``(0, 5, 6)``; None if it is not a version."""
-    core = version.strip().strip('"').lstrip("v").split("-")[0].split("+")[0]
-    parts = core.split(".")
-    if len(parts) < 2 or not all(p.isdigit() for p in parts):
+    """Parse ``"0.5.6-g3e11e108"`` into ``(0, 5, 6)``; None if it is not a version.
+
+    Only the leading dotted numbers count: ``"0.5.7.dev3+gabc"`` is ``(0, 5, 7)``.
+    """
+    m = _VERSION_RE.match(version.strip().strip('"'))
+    if m is None:
         return None
-    return tuple(int(p) for p in parts)
+    return tuple(int(p) for p in m.group(1).split("."))

@@ -27,7 +27,7 @@ import zmq
 
 from lmcache_kv_fast.protocol import codec
 from lmcache_kv_fast.protocol.constants import SHM_POOL_PREFIX
-from lmcache_kv_fast.protocol.ops import GEN_056, Generation, Op
+from lmcache_kv_fast.protocol.ops import GEN_056, Generation, Op, parse_version
 from lmcache_kv_fast.transport.http import HttpInfoClient
 
 logger = logging.getLogger(__name__)
@@ -147,7 +147,9 @@ class LMCacheServer:
     # -- lifecycle -------------------------------------------------------------------
     def command(self) -> list[str]:
         """The server command line."""
-        use_module = self.version is not None and self.version < "0.5.6"
+        parsed = parse_version(self.version) if self.version is not None else None
+        # 0.5.1-0.5.5's `lmcache server` entry point dies on a missing optional module
+        use_module = parsed is not None and parsed < (0, 5, 6)
         if use_module:
             cmd = [self.python, "-m", "lmcache.v1.multiprocess.http_server"]
         else:
@@ -166,6 +168,8 @@ class LMCacheServer:
             cmd += ["--max-workers", str(self.max_workers)]
         if self.shm:
             cmd += ["--shm-name", self.shm_name, "--no-l1-use-lazy"]
+        else:  # 0.5.1-0.5.3 otherwise make an SHM pool named after their pid
+            cmd += ["--shm-name", ""]
         return cmd + self.extra_args
 
     def start(self) -> LMCacheServer:

@@ -195,3 +195,11 @@ def test_no_leftover_sessions_or_locks(server):
         assert st["active_prefetch_jobs"] == 0
         assert st["storage_manager"]["l1_manager"]["read_locked_count"] == 0
         assert st["storage_manager"]["l1_manager"]["write_locked_count"] == 0
+
+
+def test_clear_drops_cached_kv(ctx, model):
+    toks = rand_tokens(C, seed=41)
+    assert ctx.store(model.kv(C), toks)
+    assert ctx.lookup(toks) == C
+    ctx.clear()
+    assert ctx.lookup(toks) == 0
