@@ -1,9 +1,258 @@
-// Native core of lmcache-kv-fast (placeholder; filled by the native-core work).
+// Native core of lmcache-kv-fast: pybind11 bindings.
+//
+// Python passes raw addresses (tensor.data_ptr()) and sizes; every address range is
+// validated here, with the GIL held, before the GIL is released for the copy itself.
 #include <pybind11/pybind11.h>
+#include <pybind11/stl.h>
+
+#include <memory>
+#include <optional>
+#include <string>
+#include <unordered_set>
+#include <vector>
+
+#include "common.hpp"
+#include "copy_kernels.hpp"
+#include "kv_copy.hpp"
+#include "result_buffer.hpp"
+#include "shm_mapping.hpp"
+#include "thread_pool.hpp"
 
 namespace py = pybind11;
+using namespace pybind11::literals;
+
+namespace lmckv {
+namespace {
+
+// Pins mappings for the duration of a copy; unpins (GIL held) on scope exit.
+class PinSet {
+ public:
+  PinSet() = default;
+  PinSet(const PinSet&) = delete;
+  PinSet& operator=(const PinSet&) = delete;
+  ~PinSet() {
+    for (Mapping* m : pinned_) m->unpin();
+  }
+  // `obj` wraps `m`; the reference keeps the Mapping alive even if the caller's list
+  // is mutated by another thread while the copy runs without the GIL.
+  void add(py::object obj, Mapping* m) {
+    if (seen_.insert(m).second) {
+      m->pin();  // raises if closed
+      pinned_.push_back(m);
+      refs_.push_back(std::move(obj));
+    }
+  }
+
+ private:
+  std::vector<Mapping*> pinned_;
+  std::vector<py::object> refs_;
+  std::unordered_set<Mapping*> seen_;
+};
+
+uint64_t field(py::handle obj, const char* what) { return to_u64_nonneg(obj, what); }
+
+void kv_copy(bool to_regions, py::handle tensor_ptr, py::handle tensor_nbytes, py::handle shape,
+             py::handle itemsize, py::handle width, py::handle col_offset,
+             py::handle chunk_tokens, py::handle chunk_ids, py::handle region_addrs,
+             py::handle region_nbytes, py::handle owners) {
+  const char* op = to_regions ? "scatter" : "gather";
+  const std::vector<int64_t> dims = to_i64_vector(shape, "shape");
+  if (dims.size() != 4) {
+    throw py::value_error(std::string(op) + ": shape must be (P, L, T, Dfull)");
+  }
+  for (int64_t d : dims) {
+    if (d < 0) throw py::value_error(std::string(op) + ": negative dimension in shape");
+  }
+  KvGeometry g{};
+  g.planes = static_cast<uint64_t>(dims[0]);
+  g.layers = static_cast<uint64_t>(dims[1]);
+  g.tokens = static_cast<uint64_t>(dims[2]);
+  g.dfull = static_cast<uint64_t>(dims[3]);
+  g.itemsize = field(itemsize, "itemsize");
+  g.width = field(width, "width");
+  g.col_offset = field(col_offset, "col_offset");
+  g.chunk_tokens = field(chunk_tokens, "chunk_tokens");
+  const uint64_t tptr = field(tensor_ptr, "tensor_ptr");
+  const uint64_t tbytes = field(tensor_nbytes, "tensor_nbytes");
+  const std::vector<int64_t> ids = to_i64_vector(chunk_ids, "chunk id");
+  const std::vector<int64_t> addrs = to_i64_vector(region_addrs, "region address");
+  const std::vector<int64_t> lens = to_i64_vector(region_nbytes, "region length");
+
+  CopyPlan plan = plan_kv_copy(to_regions, static_cast<uintptr_t>(tptr), tbytes, g, ids,
+                               addrs, lens);
+
+  PinSet pins;
+  if (!owners.is_none()) {
+    py::sequence seq = py::reinterpret_borrow<py::sequence>(owners);
+    if (seq.size() != addrs.size()) {
+      throw py::value_error(std::string(op) + ": " + std::to_string(seq.size()) +
+                            " owners for " + std::to_string(addrs.size()) + " regions");
+    }
+    for (size_t j = 0; j < addrs.size(); ++j) {
+      py::object o = seq[j];
+      if (o.is_none()) continue;
+      if (!py::isinstance<Mapping>(o)) {
+        throw py::type_error(std::string(op) + ": owner " + std::to_string(j) +
+                             " is not a Mapping or None");
+      }
+      Mapping* m = o.cast<Mapping*>();
+      if (m->closed()) {
+        throw py::value_error(std::string(op) + ": region " + std::to_string(j) +
+                              " belongs to closed segment " + m->name());
+      }
+      if (!m->contains(static_cast<uintptr_t>(addrs[j]), static_cast<uint64_t>(lens[j]))) {
+        throw py::value_error(std::string(op) + ": region " + std::to_string(j) +
+                              " lies outside segment " + m->name());
+      }
+      pins.add(o, m);
+    }
+  }
+  py::gil_scoped_release nogil;
+  plan.execute();
+}
+
+void parallel_memcpy(py::handle dst, py::handle src, py::handle n) {
+  const uint64_t d = field(dst, "dst");
+  const uint64_t s = field(src, "src");
+  const uint64_t len = field(n, "n");
+  if (len == 0) return;
+  if (d == 0 || s == 0) throw py::value_error("memcpy: null address");
+  (void)checked_add(d, len, "memcpy");
+  (void)checked_add(s, len, "memcpy");
+  if (d < s + len && s < d + len) throw py::value_error("memcpy: overlapping ranges");
+  CopyPlan plan;
+  plan.add(reinterpret_cast<char*>(d), reinterpret_cast<const char*>(s), 1, len, 0, 0);
+  py::gil_scoped_release nogil;
+  plan.execute();
+}
+
+std::unique_ptr<ResultBuffer> make_buffer(py::handle nbytes, const std::string& prefault,
+                                          bool pool) {
+  const uint64_t n = field(nbytes, "nbytes");
+  if (n == 0) throw py::value_error("ResultBuffer: nbytes must be >= 1");
+  if (n > (1ull << 46)) throw py::value_error("ResultBuffer: nbytes too large");
+  const Prefault pf = parse_prefault(prefault);
+  py::gil_scoped_release nogil;
+  return std::make_unique<ResultBuffer>(n, pf, pool);
+}
+
+py::dict pool_stats() {
+  const ResultPoolStats s = result_pool_stats();
+  return py::dict("limit"_a = s.limit, "pooled_bytes"_a = s.pooled_bytes, "entries"_a = s.entries,
+                  "hits"_a = s.hits, "misses"_a = s.misses, "evictions"_a = s.evictions);
+}
+
+py::dict config() {
+  return py::dict("threads"_a = get_threads(), "parallel_threshold"_a = get_parallel_threshold(),
+                  "copy_kernel"_a = kernel_name(get_kernel()),
+                  "stream_threshold"_a = get_stream_threshold(), "stream_isa"_a = stream_isa(),
+                  "usable_cpus"_a = usable_cpus());
+}
+
+}  // namespace
+}  // namespace lmckv
 
 PYBIND11_MODULE(_native, m) {
-  m.doc() = "lmcache-kv-fast native core";
+  using namespace lmckv;
+  m.doc() = "lmcache-kv-fast native core: SHM mapping, parallel chunk scatter/gather, "
+            "result buffers";
   m.attr("__version__") = "0.1.0";
+  install_fork_handlers();
+
+  py::class_<Mapping>(m, "Mapping")
+      .def(py::init([](const std::string& name, std::optional<py::int_> size,
+                       const std::string& populate) {
+             int64_t min_size = -1;
+             if (size.has_value()) {
+               min_size = to_i64(*size, "size");
+               if (min_size < 0) throw py::value_error("size must be >= 0");
+             }
+             return std::make_unique<Mapping>(name, min_size, populate);
+           }),
+           "name"_a, "size"_a = py::none(), "populate"_a = "auto")
+      .def_property_readonly("name", &Mapping::name)
+      .def_property_readonly("size", &Mapping::size)
+      .def_property_readonly("address", &Mapping::address)
+      .def_property_readonly("closed", &Mapping::closed)
+      .def_property_readonly("populate", &Mapping::populate_used)
+      .def_property_readonly("populate_seconds", &Mapping::populate_seconds)
+      .def(
+          "regions",
+          [](const Mapping& self, py::handle offsets, py::handle lengths,
+             py::handle expected_nbytes, py::handle align) {
+            if (self.closed()) throw py::value_error("segment " + self.name() + " is closed");
+            const std::vector<int64_t> offs = to_i64_vector(offsets, "slot offset");
+            const std::vector<int64_t> lens = to_i64_vector(lengths, "slot length");
+            return self.regions(offs, lens, to_i64(expected_nbytes, "expected_nbytes"),
+                                to_i64(align, "align"));
+          },
+          "offsets"_a, "lengths"_a, "expected_nbytes"_a, "align"_a)
+      .def("close", &Mapping::close)
+      .def("__enter__", [](Mapping& self) -> Mapping& { return self; },
+           py::return_value_policy::reference)
+      .def("__exit__", [](Mapping& self, py::args) { self.close(); })
+      .def("__repr__", [](const Mapping& self) {
+        return "<_native.Mapping name='" + self.name() + "' size=" + std::to_string(self.size()) +
+               (self.closed() ? " closed>" : ">");
+      });
+
+  py::class_<ResultBuffer>(m, "ResultBuffer", py::buffer_protocol())
+      .def(py::init(&make_buffer), "nbytes"_a, "prefault"_a = "auto", "pool"_a = true)
+      .def_property_readonly("nbytes", &ResultBuffer::nbytes)
+      .def_property_readonly("capacity", &ResultBuffer::capacity)
+      .def_property_readonly("recycled", &ResultBuffer::recycled)
+      .def_property_readonly("address",
+                             [](const ResultBuffer& b) {
+                               return reinterpret_cast<uintptr_t>(b.data());
+                             })
+      .def_buffer([](ResultBuffer& b) {
+        return py::buffer_info(b.data(), 1, py::format_descriptor<uint8_t>::format(), 1,
+                               {static_cast<py::ssize_t>(b.nbytes())}, {1}, false);
+      });
+
+  m.def("scatter",
+        [](py::handle tensor_ptr, py::handle tensor_nbytes, py::handle shape,
+           py::handle itemsize, py::handle width, py::handle col_offset,
+           py::handle chunk_tokens, py::handle chunk_ids, py::handle region_addrs,
+           py::handle region_nbytes, py::handle owners) {
+          kv_copy(true, tensor_ptr, tensor_nbytes, shape, itemsize, width, col_offset,
+                  chunk_tokens, chunk_ids, region_addrs, region_nbytes, owners);
+        },
+        "tensor_ptr"_a, "tensor_nbytes"_a, "shape"_a, "itemsize"_a, "width"_a, "col_offset"_a,
+        "chunk_tokens"_a, "chunk_ids"_a, "region_addrs"_a, "region_nbytes"_a,
+        "owners"_a = py::none(),
+        "Copy chunk chunk_ids[j] of the [P, L, T, Dfull] tensor into region j.");
+  m.def("gather",
+        [](py::handle tensor_ptr, py::handle tensor_nbytes, py::handle shape,
+           py::handle itemsize, py::handle width, py::handle col_offset,
+           py::handle chunk_tokens, py::handle chunk_ids, py::handle region_addrs,
+           py::handle region_nbytes, py::handle owners) {
+          kv_copy(false, tensor_ptr, tensor_nbytes, shape, itemsize, width, col_offset,
+                  chunk_tokens, chunk_ids, region_addrs, region_nbytes, owners);
+        },
+        "tensor_ptr"_a, "tensor_nbytes"_a, "shape"_a, "itemsize"_a, "width"_a, "col_offset"_a,
+        "chunk_tokens"_a, "chunk_ids"_a, "region_addrs"_a, "region_nbytes"_a,
+        "owners"_a = py::none(),
+        "Copy region j into chunk chunk_ids[j] of the [P, L, T, Dfull] tensor.");
+  m.def("memcpy", &parallel_memcpy, "dst"_a, "src"_a, "n"_a,
+        "Parallel copy of n bytes between raw addresses (UNCHECKED: the caller guarantees "
+        "both ranges are valid).");
+
+  m.def("set_threads", &set_threads, "n"_a);
+  m.def("get_threads", &get_threads);
+  m.def("set_parallel_threshold",
+        [](py::handle n) { set_parallel_threshold(field(n, "threshold")); }, "nbytes"_a);
+  m.def("get_parallel_threshold", &get_parallel_threshold);
+  m.def("set_copy_kernel", [](const std::string& k) { set_kernel(parse_kernel(k)); }, "name"_a);
+  m.def("get_copy_kernel", [] { return kernel_name(get_kernel()); });
+  m.def("set_stream_threshold",
+        [](py::handle n) { set_stream_threshold(field(n, "threshold")); }, "nbytes"_a);
+  m.def("get_stream_threshold", &get_stream_threshold);
+  m.def("config", &config);
+
+  m.def("result_pool_stats", &pool_stats);
+  m.def("set_result_pool_limit",
+        [](py::handle n) { set_result_pool_limit(field(n, "limit")); }, "nbytes"_a);
+  m.def("result_pool_trim", &result_pool_trim);
+  m.def("validate_segment_name", &validate_segment_name, "name"_a);
 }

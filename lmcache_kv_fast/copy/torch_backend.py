@@ -33,7 +33,7 @@ class TorchSegment:
 
     def __init__(self, name: str, size: int | None = None) -> None:
         self.name = validate_segment_name(name)
-        fd = os.open(f"/dev/shm/{self.name}", os.O_RDWR)
+        fd = os.open(f"/dev/shm/{self.name}", os.O_RDWR | os.O_NOFOLLOW | os.O_CLOEXEC)  # as shm_open
         try:
             real = os.fstat(fd).st_size
             if size is not None and size > real:

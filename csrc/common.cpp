@@ -1,0 +1,42 @@
+#include "common.hpp"
+
+#include <Python.h>
+
+namespace lmckv {
+
+int64_t to_i64(py::handle obj, const std::string& what) {
+  PyObject* idx = PyNumber_Index(obj.ptr());  // accepts int, numpy ints, bool
+  if (idx == nullptr) {
+    PyErr_Clear();
+    throw py::type_error(what + ": expected an integer, got " +
+                         std::string(Py_TYPE(obj.ptr())->tp_name));
+  }
+  int overflow = 0;
+  const long long v = PyLong_AsLongLongAndOverflow(idx, &overflow);
+  Py_DECREF(idx);
+  if (overflow != 0) throw py::value_error(what + ": integer out of the 64-bit range");
+  if (v == -1 && PyErr_Occurred()) throw py::error_already_set();
+  return static_cast<int64_t>(v);
+}
+
+std::vector<int64_t> to_i64_vector(py::handle seq, const char* what) {
+  if (!PySequence_Check(seq.ptr())) {
+    throw py::type_error(std::string(what) + ": expected a sequence of integers");
+  }
+  py::sequence s = py::reinterpret_borrow<py::sequence>(seq);
+  const size_t n = s.size();
+  std::vector<int64_t> out;
+  out.reserve(n);
+  for (size_t i = 0; i < n; ++i) {
+    out.push_back(to_i64(s[i], std::string(what) + " " + std::to_string(i)));
+  }
+  return out;
+}
+
+uint64_t to_u64_nonneg(py::handle obj, const char* what) {
+  const int64_t v = to_i64(obj, what);
+  if (v < 0) throw py::value_error(std::string(what) + " must be >= 0, got " + std::to_string(v));
+  return static_cast<uint64_t>(v);
+}
+
+}  // namespace lmckv

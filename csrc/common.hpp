@@ -1,0 +1,71 @@
+// Small shared helpers of the native core: checked arithmetic, argument parsing,
+// an immortal-singleton wrapper and a fork-safety registry.
+#pragma once
+
+#include <pybind11/pybind11.h>
+
+#include <cstddef>
+#include <cstdint>
+#include <new>
+#include <string>
+#include <utility>
+#include <vector>
+
+namespace lmckv {
+
+namespace py = pybind11;
+
+// a * b, or ValueError naming `what` on overflow.
+inline uint64_t checked_mul(uint64_t a, uint64_t b, const char* what) {
+  uint64_t r = 0;
+  if (__builtin_mul_overflow(a, b, &r)) {
+    throw py::value_error(std::string(what) + ": size overflows 64 bits");
+  }
+  return r;
+}
+
+// a + b, or ValueError naming `what` on overflow.
+inline uint64_t checked_add(uint64_t a, uint64_t b, const char* what) {
+  uint64_t r = 0;
+  if (__builtin_add_overflow(a, b, &r)) {
+    throw py::value_error(std::string(what) + ": size overflows 64 bits");
+  }
+  return r;
+}
+
+// Convert one Python integer-like object to int64 (ValueError naming `what` if it
+// does not fit, TypeError if it is not an integer). GIL must be held.
+int64_t to_i64(py::handle obj, const std::string& what);
+
+// Convert a Python sequence of integers to int64 (see to_i64); `what` is used as
+// "<what> <index>" in messages.
+std::vector<int64_t> to_i64_vector(py::handle seq, const char* what);
+
+// A non-negative integer argument, or ValueError.
+uint64_t to_u64_nonneg(py::handle obj, const char* what);
+
+// Holds a T that is constructed on first use and never destroyed: module-level state
+// may be touched by Python objects finalised after C++ static destructors ran
+// (interpreter shutdown), so process-wide singletons are immortal on purpose.
+template <typename T>
+class NoDestructor {
+ public:
+  template <typename... Args>
+  explicit NoDestructor(Args&&... args) {
+    ::new (static_cast<void*>(storage_)) T(std::forward<Args>(args)...);
+  }
+  NoDestructor(const NoDestructor&) = delete;
+  NoDestructor& operator=(const NoDestructor&) = delete;
+  ~NoDestructor() = default;  // intentionally does not destroy T
+  T* get() { return std::launder(reinterpret_cast<T*>(storage_)); }
+  T* operator->() { return get(); }
+  T& operator*() { return *get(); }
+
+ private:
+  alignas(T) unsigned char storage_[sizeof(T)];
+};
+
+// Number of CPUs this process may run on (sched_getaffinity), at least 1.
+int usable_cpus();
+
+}  // namespace lmckv

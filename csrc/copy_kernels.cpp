@@ -1,0 +1,262 @@
+#include "copy_kernels.hpp"
+
+#include <pybind11/pybind11.h>
+
+#include <algorithm>
+#include <atomic>
+#include <cstring>
+
+#include "thread_pool.hpp"
+
+#if defined(__x86_64__) || defined(__i386__)
+#include <immintrin.h>
+#define LMCKV_X86 1
+#endif
+
+namespace lmckv {
+
+namespace {
+
+// Measured (benches/bench_copy.py, "kernel" table): streaming stores win from ~4 MiB up
+// (1.3-2x over glibc memcpy for the 512 KiB runs of a chunk scatter, which glibc copies
+// with cached stores); below that the destination fits in L2 and cached stores are as
+// fast and leave the data hot for the reader.
+constexpr uint64_t kDefaultStreamThreshold = 4ull << 20;
+// Below this a single run is copied with memcpy even when streaming.
+constexpr size_t kMinStreamRun = 1024;
+
+std::atomic<int> g_kernel{static_cast<int>(Kernel::kAuto)};
+std::atomic<uint64_t> g_stream_threshold{kDefaultStreamThreshold};
+
+using StreamFn = void (*)(char*, const char*, size_t);
+
+#ifdef LMCKV_X86
+// Copy the head with memcpy until dst is `A`-aligned; returns bytes done.
+inline size_t align_head(char* dst, const char* src, size_t n, size_t a) {
+  size_t head = (a - (reinterpret_cast<uintptr_t>(dst) & (a - 1))) & (a - 1);
+  head = std::min(head, n);
+  if (head) std::memcpy(dst, src, head);
+  return head;
+}
+
+__attribute__((target("avx512f"))) void stream_avx512(char* dst, const char* src, size_t n) {
+  size_t done = align_head(dst, src, n, 64);
+  dst += done;
+  src += done;
+  n -= done;
+  while (n >= 256) {
+    const __m512i a = _mm512_loadu_si512(reinterpret_cast<const void*>(src));
+    const __m512i b = _mm512_loadu_si512(reinterpret_cast<const void*>(src + 64));
+    const __m512i c = _mm512_loadu_si512(reinterpret_cast<const void*>(src + 128));
+    const __m512i d = _mm512_loadu_si512(reinterpret_cast<const void*>(src + 192));
+    _mm512_stream_si512(reinterpret_cast<__m512i*>(dst), a);
+    _mm512_stream_si512(reinterpret_cast<__m512i*>(dst + 64), b);
+    _mm512_stream_si512(reinterpret_cast<__m512i*>(dst + 128), c);
+    _mm512_stream_si512(reinterpret_cast<__m512i*>(dst + 192), d);
+    src += 256;
+    dst += 256;
+    n -= 256;
+  }
+  while (n >= 64) {
+    _mm512_stream_si512(reinterpret_cast<__m512i*>(dst),
+                        _mm512_loadu_si512(reinterpret_cast<const void*>(src)));
+    src += 64;
+    dst += 64;
+    n -= 64;
+  }
+  if (n) std::memcpy(dst, src, n);
+}
+
+__attribute__((target("avx2"))) void stream_avx2(char* dst, const char* src, size_t n) {
+  size_t done = align_head(dst, src, n, 32);
+  dst += done;
+  src += done;
+  n -= done;
+  while (n >= 128) {
+    const __m256i a = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(src));
+    const __m256i b = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(src + 32));
+    const __m256i c = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(src + 64));
+    const __m256i d = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(src + 96));
+    _mm256_stream_si256(reinterpret_cast<__m256i*>(dst), a);
+    _mm256_stream_si256(reinterpret_cast<__m256i*>(dst + 32), b);
+    _mm256_stream_si256(reinterpret_cast<__m256i*>(dst + 64), c);
+    _mm256_stream_si256(reinterpret_cast<__m256i*>(dst + 96), d);
+    src += 128;
+    dst += 128;
+    n -= 128;
+  }
+  while (n >= 32) {
+    _mm256_stream_si256(reinterpret_cast<__m256i*>(dst),
+                        _mm256_loadu_si256(reinterpret_cast<const __m256i*>(src)));
+    src += 32;
+    dst += 32;
+    n -= 32;
+  }
+  if (n) std::memcpy(dst, src, n);
+}
+
+void stream_sse2(char* dst, const char* src, size_t n) {
+  size_t done = align_head(dst, src, n, 16);
+  dst += done;
+  src += done;
+  n -= done;
+  while (n >= 64) {
+    const __m128i a = _mm_loadu_si128(reinterpret_cast<const __m128i*>(src));
+    const __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(src + 16));
+    const __m128i c = _mm_loadu_si128(reinterpret_cast<const __m128i*>(src + 32));
+    const __m128i d = _mm_loadu_si128(reinterpret_cast<const __m128i*>(src + 48));
+    _mm_stream_si128(reinterpret_cast<__m128i*>(dst), a);
+    _mm_stream_si128(reinterpret_cast<__m128i*>(dst + 16), b);
+    _mm_stream_si128(reinterpret_cast<__m128i*>(dst + 32), c);
+    _mm_stream_si128(reinterpret_cast<__m128i*>(dst + 48), d);
+    src += 64;
+    dst += 64;
+    n -= 64;
+  }
+  if (n) std::memcpy(dst, src, n);
+}
+
+inline void store_fence() { _mm_sfence(); }
+
+StreamFn best_stream() {
+  __builtin_cpu_init();
+  if (__builtin_cpu_supports("avx512f")) return stream_avx512;
+  if (__builtin_cpu_supports("avx2")) return stream_avx2;
+  return stream_sse2;
+}
+#else
+void plain_memcpy(char* dst, const char* src, size_t n) { std::memcpy(dst, src, n); }
+inline void store_fence() {}
+StreamFn best_stream() { return plain_memcpy; }
+#endif
+
+StreamFn stream_fn_for(Kernel k) {
+#ifdef LMCKV_X86
+  if (k == Kernel::kStreamAvx2) {
+    __builtin_cpu_init();
+    return __builtin_cpu_supports("avx2") ? stream_avx2 : stream_sse2;
+  }
+  if (k == Kernel::kStreamSse2) return stream_sse2;
+#endif
+  static const StreamFn best = best_stream();
+  return best;
+}
+
+}  // namespace
+
+Kernel parse_kernel(const std::string& name) {
+  if (name == "auto") return Kernel::kAuto;
+  if (name == "libc") return Kernel::kLibc;
+  if (name == "stream") return Kernel::kStream;
+  if (name == "stream_avx2") return Kernel::kStreamAvx2;
+  if (name == "stream_sse2") return Kernel::kStreamSse2;
+  throw pybind11::value_error("unknown copy kernel '" + name +
+                              "'; expected auto, libc, stream, stream_avx2 or stream_sse2");
+}
+
+std::string kernel_name(Kernel k) {
+  switch (k) {
+    case Kernel::kAuto: return "auto";
+    case Kernel::kLibc: return "libc";
+    case Kernel::kStream: return "stream";
+    case Kernel::kStreamAvx2: return "stream_avx2";
+    case Kernel::kStreamSse2: return "stream_sse2";
+  }
+  return "auto";
+}
+
+void set_kernel(Kernel k) { g_kernel.store(static_cast<int>(k)); }
+Kernel get_kernel() { return static_cast<Kernel>(g_kernel.load()); }
+void set_stream_threshold(uint64_t nbytes) { g_stream_threshold.store(nbytes); }
+uint64_t get_stream_threshold() { return g_stream_threshold.load(); }
+
+std::string stream_isa() {
+#ifdef LMCKV_X86
+  const StreamFn f = stream_fn_for(Kernel::kStream);
+  if (f == stream_avx512) return "avx512";
+  if (f == stream_avx2) return "avx2";
+  return "sse2";
+#else
+  return "none";
+#endif
+}
+
+void CopyPlan::add(char* dst, const char* src, uint64_t rows, uint64_t row_bytes,
+                   uint64_t dst_pitch, uint64_t src_pitch) {
+  if (rows == 0 || row_bytes == 0) return;
+  // Callers validated sizes; rows * row_bytes cannot overflow for in-bounds ranges.
+  if (rows == 1 && !ops_.empty()) {  // coalesce runs contiguous on both sides
+    CopyOp& last = ops_.back();
+    if (last.rows == 1 && last.dst + last.row_bytes == dst && last.src + last.row_bytes == src) {
+      last.row_bytes += row_bytes;
+      total_ += row_bytes;
+      return;
+    }
+  }
+  ops_.push_back(CopyOp{dst, src, rows, row_bytes, dst_pitch, src_pitch});
+  start_.push_back(total_);
+  total_ += rows * row_bytes;
+}
+
+void CopyPlan::run_part(int part, int nparts, bool stream) const {
+  // Split points on 64-byte boundaries of the byte stream (no shared cache lines
+  // between threads for the common contiguous case).
+  auto split = [&](int p) -> uint64_t {
+    if (p >= nparts) return total_;
+    const unsigned __int128 x = static_cast<unsigned __int128>(total_) * p / nparts;
+    return static_cast<uint64_t>(x) & ~uint64_t{63};
+  };
+  const uint64_t begin = split(part);
+  const uint64_t end = split(part + 1);
+  if (begin >= end) return;
+  const StreamFn sfn = stream ? stream_fn_for(get_kernel()) : nullptr;
+  auto copy = [&](char* d, const char* s, size_t n) {
+    if (sfn != nullptr && n >= kMinStreamRun) {
+      sfn(d, s, n);
+    } else {
+      std::memcpy(d, s, n);
+    }
+  };
+  size_t i = static_cast<size_t>(std::upper_bound(start_.begin(), start_.end(), begin) -
+                                 start_.begin()) - 1;
+  uint64_t pos = begin;
+  while (pos < end && i < ops_.size()) {
+    const CopyOp& op = ops_[i];
+    const uint64_t op_bytes = op.rows * op.row_bytes;
+    uint64_t local = pos - start_[i];
+    const uint64_t stop = std::min(end - start_[i], op_bytes);
+    if (op.rows == 1) {
+      copy(op.dst + local, op.src + local, stop - local);
+      local = stop;
+    } else {
+      uint64_t row = local / op.row_bytes;
+      uint64_t col = local % op.row_bytes;
+      while (local < stop) {
+        const uint64_t take = std::min(op.row_bytes - col, stop - local);
+        copy(op.dst + row * op.dst_pitch + col, op.src + row * op.src_pitch + col, take);
+        local += take;
+        ++row;
+        col = 0;
+      }
+    }
+    pos = start_[i] + local;
+    ++i;
+  }
+  if (sfn != nullptr) store_fence();  // order the weakly-ordered stores before "done"
+}
+
+int CopyPlan::execute() const {
+  if (total_ == 0) return 0;
+  const Kernel k = get_kernel();
+  const bool stream =
+      k == Kernel::kStream || k == Kernel::kStreamAvx2 || k == Kernel::kStreamSse2 ||
+      (k == Kernel::kAuto && total_ >= g_stream_threshold.load(std::memory_order_relaxed));
+  if (sequential_) {
+    run_part(0, 1, stream);
+    return 1;
+  }
+  return run_parallel(total_, 1 << 20,
+                      [this, stream](int part, int nparts) { run_part(part, nparts, stream); });
+}
+
+}  // namespace lmckv

@@ -1,0 +1,70 @@
+// Byte-copy kernels and the parallel copy plan.
+//
+// A CopyPlan is a list of 2-D copies (rows of `row_bytes`, each side with its own pitch);
+// executing it splits the concatenated byte stream of all copies evenly across the pool
+// threads (splitting inside runs and rows), so one huge run still uses every thread.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+#include <string>
+#include <vector>
+
+namespace lmckv {
+
+// Byte-copy kernel selection.
+//   auto:   glibc memcpy for jobs below the streaming threshold, streaming (non-temporal)
+//           stores for larger jobs (they skip the read-for-ownership of the destination
+//           and do not evict the cache for data that is not re-read soon).
+//   libc:   always glibc memcpy.
+//   stream: always streaming stores (best ISA available: AVX-512, AVX2 or SSE2).
+//   stream_avx2 / stream_sse2: force one ISA (benchmarking).
+enum class Kernel { kAuto, kLibc, kStream, kStreamAvx2, kStreamSse2 };
+
+Kernel parse_kernel(const std::string& name);  // ValueError on an unknown name
+std::string kernel_name(Kernel k);
+void set_kernel(Kernel k);
+Kernel get_kernel();
+// Jobs of at least this many bytes use streaming stores under Kernel::kAuto.
+void set_stream_threshold(uint64_t nbytes);
+uint64_t get_stream_threshold();
+// Name of the streaming implementation picked for this CPU ("avx512", "avx2", "sse2", "none").
+std::string stream_isa();
+
+struct CopyOp {
+  char* dst;
+  const char* src;
+  uint64_t rows;
+  uint64_t row_bytes;
+  uint64_t dst_pitch;
+  uint64_t src_pitch;
+};
+
+class CopyPlan {
+ public:
+  void reserve(size_t n) {
+    ops_.reserve(n);
+    start_.reserve(n);
+  }
+  // Add `rows` rows of `row_bytes` bytes; rows == 1 is a flat run.
+  void add(char* dst, const char* src, uint64_t rows, uint64_t row_bytes, uint64_t dst_pitch,
+           uint64_t src_pitch);
+  uint64_t total_bytes() const { return total_; }
+  size_t size() const { return ops_.size(); }
+  // Keep the copies in order on one thread (overlapping destinations: last write wins,
+  // as a sequential copy would give).
+  void set_sequential(bool v) { sequential_ = v; }
+
+  // Run the copies (pool or calling thread). Call WITHOUT the GIL. Returns parts used.
+  int execute() const;
+
+ private:
+  void run_part(int part, int nparts, bool stream) const;
+
+  std::vector<CopyOp> ops_;
+  std::vector<uint64_t> start_;  // byte offset of each op in the concatenated stream
+  uint64_t total_ = 0;
+  bool sequential_ = false;
+};
+
+}  // namespace lmckv

@@ -1,0 +1,226 @@
+#include "result_buffer.hpp"
+
+#include <pybind11/pybind11.h>
+#include <sys/mman.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <cstdlib>
+#include <mutex>
+#include <new>
+#include <utility>
+#include <vector>
+
+#include "common.hpp"
+#include "thread_pool.hpp"
+
+#ifndef MADV_POPULATE_WRITE
+#define MADV_POPULATE_WRITE 23
+#endif
+
+namespace lmckv {
+
+namespace {
+
+constexpr size_t kHuge = 2u << 20;
+
+size_t round_up(size_t n, size_t a) { return (n + a - 1) / a * a; }
+
+uint64_t default_limit() {
+  if (const char* env = std::getenv("LMCACHE_KV_FAST_RESULT_POOL_MB")) {
+    char* end = nullptr;
+    const unsigned long long mb = std::strtoull(env, &end, 10);
+    if (end != env && *end == '\0' && mb < (1ull << 44)) return mb << 20;
+  }
+  const long pages = sysconf(_SC_PHYS_PAGES);
+  const long psize = sysconf(_SC_PAGESIZE);
+  const uint64_t phys =
+      (pages > 0 && psize > 0) ? static_cast<uint64_t>(pages) * static_cast<uint64_t>(psize)
+                               : (8ull << 30);
+  return std::min<uint64_t>(4ull << 30, phys / 8);
+}
+
+struct Pool {
+  std::mutex mu;
+  std::vector<AnonRegion> free;  // oldest first
+  uint64_t limit = default_limit();
+  uint64_t pooled = 0;
+  uint64_t hits = 0;
+  uint64_t misses = 0;
+  uint64_t evictions = 0;
+};
+
+NoDestructor<Pool> g_pool;
+
+// Take the smallest pooled region with capacity in [cap, 2 * cap].
+AnonRegion take(size_t cap) {
+  std::lock_guard<std::mutex> lk(g_pool->mu);
+  size_t best = g_pool->free.size();
+  for (size_t i = 0; i < g_pool->free.size(); ++i) {
+    const size_t s = g_pool->free[i].size();
+    if (s >= cap && s / 2 <= cap && (best == g_pool->free.size() || s < g_pool->free[best].size())) {
+      best = i;
+    }
+  }
+  if (best == g_pool->free.size()) {
+    ++g_pool->misses;
+    return AnonRegion();
+  }
+  AnonRegion r = std::move(g_pool->free[best]);
+  g_pool->free.erase(g_pool->free.begin() + static_cast<std::ptrdiff_t>(best));
+  g_pool->pooled -= r.size();
+  ++g_pool->hits;
+  return r;
+}
+
+// Evict oldest entries until `pooled + extra <= limit`; evicted regions are moved to
+// `out` so they are unmapped after the lock is dropped.
+void evict_locked(uint64_t extra, std::vector<AnonRegion>& out) {
+  while (!g_pool->free.empty() && g_pool->pooled + extra > g_pool->limit) {
+    g_pool->pooled -= g_pool->free.front().size();
+    out.push_back(std::move(g_pool->free.front()));
+    g_pool->free.erase(g_pool->free.begin());
+    ++g_pool->evictions;
+  }
+}
+
+// Unmap regions, without the GIL when we hold it (munmap of GiBs takes milliseconds).
+void drop_regions(std::vector<AnonRegion>& regions) {
+  if (regions.empty()) return;
+  if (PyGILState_Check()) {
+    pybind11::gil_scoped_release nogil;
+    regions.clear();
+  } else {
+    regions.clear();
+  }
+}
+
+void give_back(AnonRegion r) {
+  std::vector<AnonRegion> dropped;
+  {
+    std::lock_guard<std::mutex> lk(g_pool->mu);
+    if (r.size() <= g_pool->limit) {
+      evict_locked(r.size(), dropped);
+      g_pool->pooled += r.size();
+      g_pool->free.push_back(std::move(r));
+    } else {
+      dropped.push_back(std::move(r));
+    }
+  }
+  drop_regions(dropped);
+}
+
+}  // namespace
+
+AnonRegion AnonRegion::map(size_t len, bool huge) {
+  // Over-map by one huge page and trim, so the region is 2 MiB aligned (THP needs it).
+  const size_t span = len + kHuge;
+  void* p = mmap(nullptr, span, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+  if (p == MAP_FAILED) throw std::bad_alloc();
+  char* raw = static_cast<char*>(p);
+  char* aligned = reinterpret_cast<char*>(round_up(reinterpret_cast<uintptr_t>(raw), kHuge));
+  const size_t head = static_cast<size_t>(aligned - raw);
+  if (head > 0) munmap(raw, head);
+  const size_t tail = span - head - len;
+  if (tail > 0) munmap(aligned + len, tail);
+  if (huge) madvise(aligned, len, MADV_HUGEPAGE);  // advisory; ignore failure
+  return AnonRegion(aligned, len);
+}
+
+AnonRegion::~AnonRegion() { reset(); }
+
+AnonRegion::AnonRegion(AnonRegion&& o) noexcept
+    : addr_(std::exchange(o.addr_, nullptr)), len_(std::exchange(o.len_, 0)) {}
+
+AnonRegion& AnonRegion::operator=(AnonRegion&& o) noexcept {
+  if (this != &o) {
+    reset();
+    addr_ = std::exchange(o.addr_, nullptr);
+    len_ = std::exchange(o.len_, 0);
+  }
+  return *this;
+}
+
+void AnonRegion::reset() {
+  if (addr_ != nullptr) {
+    munmap(addr_, len_);
+    addr_ = nullptr;
+    len_ = 0;
+  }
+}
+
+Prefault parse_prefault(const std::string& name) {
+  // "auto": measured in benches/bench_copy.py (gather->new rows): populating a fresh
+  // buffer on the pool threads, then copying into warm pages, beats taking the (huge)
+  // page faults inside the gather, and is much steadier.
+  if (name == "auto" || name == "populate") return Prefault::kPopulate;
+  if (name == "none") return Prefault::kNone;
+  throw pybind11::value_error("unknown prefault mode '" + name +
+                              "'; expected auto, none or populate");
+}
+
+ResultBuffer::ResultBuffer(uint64_t nbytes, Prefault prefault, bool use_pool)
+    : nbytes_(nbytes), use_pool_(use_pool) {
+  const size_t cap = round_up(static_cast<size_t>(nbytes), kHuge);
+  if (use_pool) {
+    region_ = take(cap);
+    recycled_ = static_cast<bool>(region_);
+  }
+  if (!region_) {
+    region_ = AnonRegion::map(cap, true);
+    if (prefault == Prefault::kPopulate) {
+      char* base = region_.data();
+      const uint64_t chunks = cap / kHuge;
+      run_parallel(cap, 1 << 20, [&](int part, int nparts) {
+        const uint64_t c0 = chunks * static_cast<uint64_t>(part) / static_cast<uint64_t>(nparts);
+        const uint64_t c1 =
+            chunks * static_cast<uint64_t>(part + 1) / static_cast<uint64_t>(nparts);
+        if (c1 > c0) madvise(base + c0 * kHuge, (c1 - c0) * kHuge, MADV_POPULATE_WRITE);
+      });
+    }
+  }
+}
+
+ResultBuffer::~ResultBuffer() {
+  if (!region_) return;
+  if (use_pool_) {
+    give_back(std::move(region_));
+  } else {
+    std::vector<AnonRegion> one;
+    one.push_back(std::move(region_));
+    drop_regions(one);
+  }
+}
+
+ResultPoolStats result_pool_stats() {
+  std::lock_guard<std::mutex> lk(g_pool->mu);
+  return ResultPoolStats{g_pool->limit, g_pool->pooled, g_pool->free.size(),
+                         g_pool->hits,  g_pool->misses, g_pool->evictions};
+}
+
+void set_result_pool_limit(uint64_t nbytes) {
+  std::vector<AnonRegion> dropped;
+  {
+    std::lock_guard<std::mutex> lk(g_pool->mu);
+    g_pool->limit = nbytes;
+    evict_locked(0, dropped);
+  }
+  drop_regions(dropped);
+}
+
+void result_pool_trim() {
+  std::vector<AnonRegion> dropped;
+  {
+    std::lock_guard<std::mutex> lk(g_pool->mu);
+    dropped = std::move(g_pool->free);
+    g_pool->free.clear();
+    g_pool->pooled = 0;
+  }
+  drop_regions(dropped);
+}
+
+void result_pool_atfork_prepare() { g_pool->mu.lock(); }
+void result_pool_atfork_parent() { g_pool->mu.unlock(); }
+void result_pool_atfork_child() { g_pool->mu.unlock(); }
+
+}  // namespace lmckv

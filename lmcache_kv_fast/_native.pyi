@@ -1,0 +1,157 @@
+"""Type stub of the native core (csrc/, built as ``lmcache_kv_fast._native``).
+
+Addresses are plain ints (``tensor.data_ptr()``). ``scatter``/``gather`` validate every
+range they are given before any byte moves, but a region address that has no owning
+:class:`Mapping` is trusted: the Python layer (``copy.native_backend``) only passes such
+addresses after checking them against the tensor that backs the region. ``memcpy`` is
+entirely unchecked (benchmark/roofline helper).
+"""
+
+from collections.abc import Sequence
+from typing import Any, Literal
+
+__version__: str
+
+PopulateMode = Literal[
+    "auto", "none", "map_populate", "madvise", "parallel", "parallel_read", "resident"
+]
+CopyKernel = Literal["auto", "libc", "stream", "stream_avx2", "stream_sse2"]
+
+class Mapping:
+    """A read-write MAP_SHARED mapping of ``/dev/shm/<name>``.
+
+    Args:
+        name: Segment name, optionally with one leading ``/``; no other ``/``, no ``..``,
+            no NUL, at most 255 characters (ValueError otherwise).
+        size: If given, the segment must hold at least this many bytes (ValueError).
+        populate: Pre-fault mode. ``"auto"`` = ``"resident"``: MADV_POPULATE_READ on the
+            pool threads for pages already resident in the segment (mincore), so a lazily
+            allocated pool is not forced into memory.
+
+    Raises:
+        ValueError: Bad name, empty segment, too small, unknown populate mode.
+        OSError: shm_open/mmap failed (FileNotFoundError, PermissionError, ...).
+    """
+
+    def __init__(self, name: str, size: int | None = None,
+                 populate: PopulateMode = "auto") -> None: ...
+    @property
+    def name(self) -> str:
+        """Bare segment name (no leading ``/``)."""
+    @property
+    def size(self) -> int:
+        """Mapped bytes (the segment's size when mapped)."""
+    @property
+    def address(self) -> int:
+        """Base address; ValueError once closed."""
+    @property
+    def closed(self) -> bool: ...
+    @property
+    def populate(self) -> str:
+        """Pre-fault mode actually used."""
+    @property
+    def populate_seconds(self) -> float:
+        """Seconds spent in mmap + pre-faulting."""
+    def regions(self, offsets: Sequence[int], lengths: Sequence[int], expected_nbytes: int,
+                align: int) -> list[int]:
+        """Validate slots and return their absolute addresses.
+
+        Every slot must have ``length == expected_nbytes``, ``offset >= 0``,
+        ``offset + length <= min(size, current file size)`` (no overflow),
+        ``offset % align == 0`` when ``align > 0``, and not overlap another slot.
+
+        Raises:
+            ValueError: Naming the first bad slot; or the mapping is closed.
+            TypeError: A non-integer offset/length.
+        """
+    def close(self) -> None:
+        """Unmap (idempotent); deferred while a copy using the mapping runs."""
+    def __enter__(self) -> Mapping: ...
+    def __exit__(self, *args: object) -> None: ...
+
+class ResultBuffer:
+    """Writable buffer (buffer protocol, uint8) for a result tensor.
+
+    Reuses a pooled, already-faulted buffer of capacity in ``[nbytes, 2 * nbytes]`` when
+    ``pool`` is true, else maps a 2 MiB-aligned anonymous region advised MADV_HUGEPAGE.
+    When the object dies the memory goes back to the bounded pool (or is unmapped).
+
+    Args:
+        nbytes: Size in bytes, >= 1.
+        prefault: For freshly mapped buffers: ``"none"`` (fault during the fill) or
+            ``"populate"`` (MADV_POPULATE_WRITE on the pool threads; = ``"auto"``).
+        pool: Take from / return to the recycling pool.
+    """
+
+    def __init__(self, nbytes: int, prefault: Literal["auto", "none", "populate"] = "auto",
+                 pool: bool = True) -> None: ...
+    @property
+    def nbytes(self) -> int: ...
+    @property
+    def capacity(self) -> int: ...
+    @property
+    def recycled(self) -> bool:
+        """Whether the memory came from the pool."""
+    @property
+    def address(self) -> int: ...
+    def __buffer__(self, flags: int, /) -> memoryview: ...
+
+def scatter(tensor_ptr: int, tensor_nbytes: int, shape: Sequence[int], itemsize: int,
+            width: int, col_offset: int, chunk_tokens: int, chunk_ids: Sequence[int],
+            region_addrs: Sequence[int], region_nbytes: Sequence[int],
+            owners: Sequence[Mapping | None] | None = None) -> None:
+    """Copy chunk ``chunk_ids[j]`` of the ``[P, L, T, Dfull]`` tensor into region j.
+
+    ``shape`` is ``(P, L, T, Dfull)``; columns ``[col_offset, col_offset + width)`` are
+    copied; region j holds ``[P, L, chunk_tokens, width]`` C-order. ``owners[j]`` (if
+    given and not None) is the mapping region j must lie in; it stays mapped during the
+    copy. Runs with the GIL released, on the thread pool for large copies.
+
+    Raises:
+        ValueError: Any inconsistent size, index or range (before any byte moves).
+    """
+
+def gather(tensor_ptr: int, tensor_nbytes: int, shape: Sequence[int], itemsize: int,
+           width: int, col_offset: int, chunk_tokens: int, chunk_ids: Sequence[int],
+           region_addrs: Sequence[int], region_nbytes: Sequence[int],
+           owners: Sequence[Mapping | None] | None = None) -> None:
+    """Copy region j into chunk ``chunk_ids[j]`` of the tensor (see :func:`scatter`)."""
+
+def memcpy(dst: int, src: int, n: int) -> None:
+    """Parallel copy of ``n`` bytes on the pool. UNCHECKED addresses."""
+
+def set_threads(n: int) -> None:
+    """Copy threads including the caller, 1..1024 (ValueError otherwise)."""
+
+def get_threads() -> int:
+    """Copy threads (default: LMCACHE_KV_FAST_THREADS, else usable CPUs)."""
+
+def set_parallel_threshold(nbytes: int) -> None:
+    """Copies smaller than this stay on the calling thread."""
+
+def get_parallel_threshold() -> int: ...
+def set_copy_kernel(name: CopyKernel) -> None:
+    """Byte-copy kernel (``auto``: glibc memcpy below the streaming threshold)."""
+
+def get_copy_kernel() -> str: ...
+def set_stream_threshold(nbytes: int) -> None:
+    """Copies of at least this many bytes use streaming stores under ``auto``."""
+
+def get_stream_threshold() -> int: ...
+def config() -> dict[str, Any]:
+    """Threads, thresholds, kernel, streaming ISA and usable CPUs."""
+
+def result_pool_stats() -> dict[str, int]:
+    """limit, pooled_bytes, entries, hits, misses, evictions."""
+
+def set_result_pool_limit(nbytes: int) -> None:
+    """Bound idle pooled bytes and evict down to it.
+
+    Default: LMCACHE_KV_FAST_RESULT_POOL_MB, else min(4 GiB, RAM / 8).
+    """
+
+def result_pool_trim() -> None:
+    """Unmap every idle pooled buffer."""
+
+def validate_segment_name(name: str) -> str:
+    """Return the bare name or raise ValueError."""

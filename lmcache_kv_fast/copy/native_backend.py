@@ -1,0 +1,229 @@
+"""Native copy backend: the C++ core (:mod:`lmcache_kv_fast._native`).
+
+Same function list and validation semantics as :mod:`copy.torch_backend`; the copies run
+in a persistent C++ thread pool with the GIL released, split evenly by bytes across the
+threads. Importing this module imports the extension, so :mod:`copy.select` falls back to
+the torch backend when the compiled module is missing.
+
+Safety model: Python hands the core raw addresses, and every address range is validated
+before the GIL is released. Regions must come from :meth:`NativeSegment.regions` (checked
+against the mapping, which stays mapped until copies using it finish even if closed
+meanwhile) or carry a CPU tensor covering them (:meth:`Region.of_tensor`, the torch
+backend's regions); regions with only a raw address are refused.
+
+Tuning (environment): ``LMCACHE_KV_FAST_THREADS`` (copy threads, default: usable CPUs),
+``LMCACHE_KV_FAST_RESULT_POOL_MB`` (bytes of recycled result buffers kept, default
+min(4 GiB, RAM/8)).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from lmcache_kv_fast import _native
+from lmcache_kv_fast.copy.base import (
+    ChunkGeometry,
+    Region,
+    SlotLike,
+    check_chunk_ids,
+    check_tensor_view,
+    numel,
+)
+
+logger = logging.getLogger(__name__)
+
+NAME = "native"
+
+#: Results smaller than this come from torch.empty (the allocator's cache is warm and a
+#: result buffer rounds up to 2 MiB).
+MIN_POOLED_RESULT_BYTES = 2 << 20
+
+
+@dataclass(frozen=True)
+class MappedRegion(Region):
+    """A :class:`Region` inside a :class:`NativeSegment`'s mapping.
+
+    Attributes:
+        mapping: The mapping the region lies in; copies pin it (it is not unmapped while
+            they run) and check the region against its bounds.
+    """
+
+    mapping: _native.Mapping | None = field(default=None, repr=False, compare=False)
+
+
+class NativeSegment:
+    """A POSIX SHM segment mapped read-write by the native core.
+
+    Args:
+        name: Segment name (``"x"`` or ``"/x"``; no other ``/``, no ``..``, no NUL).
+        size: Minimum expected size in bytes (None: no check).
+        populate: Pre-fault mode of :class:`_native.Mapping` (``"auto"`` is the measured
+            fastest).
+
+    Raises:
+        ValueError: Bad name, empty segment, or smaller than ``size``.
+        OSError: The segment cannot be opened (``FileNotFoundError``, ``PermissionError``).
+    """
+
+    def __init__(self, name: str, size: int | None = None, populate: str = "auto") -> None:
+        self._mapping = _native.Mapping(name, size, populate)
+        self.name: str = self._mapping.name
+        self.size: int = self._mapping.size
+
+    @property
+    def closed(self) -> bool:
+        """Whether :meth:`close` was called."""
+        return self._mapping.closed
+
+    @property
+    def mapping(self) -> _native.Mapping:
+        """The underlying native mapping."""
+        return self._mapping
+
+    def regions(self, slots: Sequence[SlotLike], expected_nbytes: int,
+                align: int) -> list[Region]:
+        """See :class:`copy.base.Segment`."""
+        offsets = [s.offset for s in slots]
+        lengths = [s.length for s in slots]
+        addrs = self._mapping.regions(offsets, lengths, expected_nbytes, align)
+        m = self._mapping
+        return [MappedRegion(a, ln, None, m) for a, ln in zip(addrs, lengths, strict=True)]
+
+    def close(self) -> None:
+        """Unmap (idempotent; deferred until running copies that use the segment end)."""
+        self._mapping.close()
+
+    def __enter__(self) -> NativeSegment:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def open_segment(name: str, size: int | None = None) -> NativeSegment:
+    """Map the segment ``name`` (see :class:`NativeSegment`)."""
+    return NativeSegment(name, size)
+
+
+def _shape4(t: torch.Tensor) -> tuple[int, int, int, int]:
+    s = tuple(t.shape)
+    return (1, *s) if len(s) == 3 else s  # type: ignore[return-value]
+
+
+def _region_args(regions: Sequence[Region], what: str
+                 ) -> tuple[list[int], list[int], list[Any] | None, list[torch.Tensor]]:
+    """Split regions into addresses, lengths and owners; check tensor-backed ones.
+
+    Returns:
+        (addresses, lengths, owners or None, tensors to keep referenced during the copy).
+
+    Raises:
+        ValueError: A tensor-backed region is not covered by its tensor, or a region has
+            neither a mapping nor a tensor.
+    """
+    addrs: list[int] = []
+    lens: list[int] = []
+    owners: list[Any] = []
+    keep: list[torch.Tensor] = []
+    any_owner = False
+    for j, r in enumerate(regions):
+        addr, nbytes = int(r.addr), int(r.nbytes)
+        owner = getattr(r, "mapping", None)
+        if owner is not None:
+            any_owner = True
+        elif r.tensor is not None:
+            t = r.tensor
+            if t.device.type != "cpu":
+                raise ValueError(f"{what}: region {j} tensor is on {t.device}, not the CPU")
+            base = t.data_ptr()
+            if not t.is_contiguous() or addr < base or (
+                addr + nbytes > base + t.numel() * t.element_size()
+            ):
+                raise ValueError(
+                    f"{what}: region {j} [{addr:#x}, +{nbytes}) is not covered by its tensor"
+                )
+            keep.append(t)
+        else:
+            raise ValueError(
+                f"{what}: region {j} carries neither a segment mapping nor a tensor; the "
+                "native backend does not copy to or from unchecked raw addresses"
+            )
+        addrs.append(addr)
+        lens.append(nbytes)
+        owners.append(owner)
+    return addrs, lens, (owners if any_owner else None), keep
+
+
+def scatter(src: torch.Tensor, geom: ChunkGeometry, chunk_ids: Sequence[int],
+            regions: Sequence[Region], col_offset: int = 0) -> None:
+    """Copy chunk ``chunk_ids[j]`` of ``src`` into ``regions[j]`` for every j.
+
+    Raises:
+        ValueError: Bad tensor view, chunk ids, or regions (nothing is copied then).
+    """
+    tokens = check_tensor_view(src, geom, col_offset, "source tensor")
+    check_chunk_ids(chunk_ids, len(regions), tokens, geom.chunk_tokens, "scatter")
+    addrs, lens, owners, keep = _region_args(regions, "scatter")
+    if not addrs:
+        return
+    _native.scatter(src.data_ptr(), src.numel() * src.element_size(), _shape4(src),
+                    geom.itemsize, geom.width, col_offset, geom.chunk_tokens,
+                    [int(i) for i in chunk_ids], addrs, lens, owners)
+    del keep
+
+
+def gather(dst: torch.Tensor, geom: ChunkGeometry, chunk_ids: Sequence[int],
+           regions: Sequence[Region], col_offset: int = 0) -> None:
+    """Copy ``regions[j]`` into chunk ``chunk_ids[j]`` of ``dst`` for every j.
+
+    Raises:
+        ValueError: Bad tensor view, chunk ids, or regions (nothing is copied then).
+    """
+    tokens = check_tensor_view(dst, geom, col_offset, "destination tensor")
+    check_chunk_ids(chunk_ids, len(regions), tokens, geom.chunk_tokens, "gather")
+    addrs, lens, owners, keep = _region_args(regions, "gather")
+    if not addrs:
+        return
+    _native.gather(dst.data_ptr(), dst.numel() * dst.element_size(), _shape4(dst),
+                   geom.itemsize, geom.width, col_offset, geom.chunk_tokens,
+                   [int(i) for i in chunk_ids], addrs, lens, owners)
+    del keep
+
+
+def alloc_result(shape: Sequence[int], dtype: torch.dtype) -> torch.Tensor:
+    """Allocate a contiguous CPU tensor for a gather to fill.
+
+    Large results live in a native buffer: recycled from a bounded pool of already
+    faulted buffers when one fits, else a fresh 2 MiB-aligned mapping advised
+    ``MADV_HUGEPAGE`` (faulted in 2 MiB pages by the parallel gather). The tensor holds
+    the buffer; it goes back to the pool when the last tensor/view over it dies. The
+    tensor's storage is not resizable. Contents are uninitialised, as with torch.empty.
+    """
+    dims = tuple(int(s) for s in shape)
+    if any(d < 0 for d in dims):
+        raise ValueError(f"negative dimension in result shape {dims}")
+    count = numel(dims)
+    nbytes = count * dtype.itemsize
+    if nbytes < MIN_POOLED_RESULT_BYTES:
+        return torch.empty(dims, dtype=dtype)
+    buf = _native.ResultBuffer(nbytes)
+    return torch.frombuffer(buf, dtype=dtype, count=count).view(dims)
+
+
+def set_threads(n: int) -> None:
+    """Set the number of copy threads (including the calling thread).
+
+    Raises:
+        ValueError: ``n`` outside ``[1, 1024]``.
+    """
+    _native.set_threads(int(n))
+
+
+def get_threads() -> int:
+    """Return the number of copy threads."""
+    return _native.get_threads()
