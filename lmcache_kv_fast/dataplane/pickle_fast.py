@@ -274,7 +274,8 @@ def _storage_region(buf: memoryview, ref: _Bytes, dtype: torch.dtype) -> tuple[i
 
 
 def locate_chunks(buf: memoryview, count: int, numel: int, dtype: torch.dtype,
-                  what: str) -> list[tuple[int, int]] | None:
+                  what: str, shape: Sequence[int] | None = None,
+                  ) -> list[tuple[int, int]] | None:
     """Find each chunk tensor's raw bytes in a server chunk-list pickle.
 
     Args:
@@ -283,6 +284,8 @@ def locate_chunks(buf: memoryview, count: int, numel: int, dtype: torch.dtype,
         numel: Expected elements per chunk.
         dtype: Expected dtype.
         what: Operation name for messages.
+        shape: Expected chunk shape ``[P, L, C, W]`` (for ``P == 1`` also ``[L, C, W]``);
+            same-size tensors of another shape are refused, never reinterpreted.
 
     Returns:
         ``[(offset, nbytes)]`` per chunk, or None when the stream is outside the subset
@@ -305,6 +308,11 @@ def locate_chunks(buf: memoryview, count: int, numel: int, dtype: torch.dtype,
                 n *= d
             if n != numel:
                 raise ProtocolError(f"{what}: chunk {k} has {n} elements, expected {numel}")
+            if shape is not None and list(t.size) != list(shape) and not (
+                    shape[0] == 1 and list(t.size) == list(shape[1:])):
+                raise ProtocolError(
+                    f"{what}: chunk {k} has shape {list(t.size)}, expected {list(shape)}"
+                )
             for d, s in zip(reversed(t.size), reversed(t.stride), strict=True):
                 if d > 1 and s != expect:
                     return None  # not contiguous: let the general path handle it
@@ -316,8 +324,9 @@ def locate_chunks(buf: memoryview, count: int, numel: int, dtype: torch.dtype,
                 raise ProtocolError(f"{what}: chunk {k} view exceeds its storage")
             out.append((start, nbytes))
         return out
-    except (_Unsupported, IndexError, KeyError, struct.error, ValueError, UnicodeDecodeError,
-            pickle.UnpicklingError, EOFError):
+    except ProtocolError:
+        raise
+    except Exception:  # hostile bytes: anything odd goes to the safe (refusing) path
         return None
 
 
