@@ -159,6 +159,15 @@ class LmcDriven:
                                    [list(range(len(tokens) // self.BS))],
                                    self.tc.create_recorded_event(), self.chunk // self.BS)
         assert fut.result(timeout=20) is not None
+        # end the session like vLLM does when the request finishes (no leftovers)
+        from lmcache_kv_fast.protocol.ops import Op
+        from lmcache_kv_fast.transport.zmq_client import ZmqClient
+
+        zc = ZmqClient(self.server.url, self.server.generation, 10.0)
+        try:
+            zc.call(Op.END_SESSION, [key.request_id])
+        finally:
+            zc.close()
 
     def close(self, unregister: bool = True) -> None:
         try:
