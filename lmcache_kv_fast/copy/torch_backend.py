@@ -40,21 +40,27 @@ class TorchSegment:
                 raise ValueError(f"segment {self.name} has {real} bytes, expected >= {size}")
             self.size = real
             self._mm: mmap.mmap | None = mmap.mmap(fd, real, mmap.MAP_SHARED)
-        finally:
+        except BaseException:
             os.close(fd)
+            raise
+        self._fd: int | None = fd  # kept to see the file shrink (a copy there is SIGBUS)
         self._flat: torch.Tensor | None = torch.frombuffer(self._mm, dtype=torch.uint8)
 
     def regions(self, slots: Sequence[SlotLike], expected_nbytes: int, align: int) -> list[Region]:
         """See :class:`copy.base.Segment`."""
         if self._flat is None:
             raise ValueError(f"segment {self.name} is closed")
-        spans = validate_slots(slots, self.size, expected_nbytes, align)
+        limit = min(self.size, os.fstat(self._fd).st_size) if self._fd is not None else 0
+        spans = validate_slots(slots, limit, expected_nbytes, align)
         base = self._flat.data_ptr()
         return [Region(base + off, ln, self._flat[off:off + ln]) for off, ln in spans]
 
     def close(self) -> None:
         """Unmap (idempotent)."""
         self._flat = None
+        fd, self._fd = self._fd, None
+        if fd is not None:
+            os.close(fd)
         if self._mm is not None:
             try:
                 self._mm.close()

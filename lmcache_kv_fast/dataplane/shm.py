@@ -52,6 +52,9 @@ class ShmPlane:
     def __init__(self, backend: ModuleType, name: str, size: int, align: int) -> None:
         self.name = name
         self.align = align
+        if type(size) is not int or size <= 0:
+            raise ProtocolError(f"the registration reply names SHM pool {name!r} with "
+                                f"pool_size {size!r}: expected a positive size")
         try:
             self.segment: Segment | None = backend.open_segment(name, size)
         except FileNotFoundError as err:

@@ -115,13 +115,20 @@ class Channel:
             ContextClosedError: The client was closed while waiting.
         """
         timeout = self._client.timeout if timeout is None else timeout
-        if self.unresponsive:
-            timeout = min(timeout, UNRESPONSIVE_TIMEOUT_S)
+        shortened = self.unresponsive and timeout > UNRESPONSIVE_TIMEOUT_S
+        if shortened:
+            timeout = UNRESPONSIVE_TIMEOUT_S
         deadline = time.monotonic() + timeout
         key = call.uid_frame
         try:
             with self._client.active():
                 self._wait_for(call, key, timeout, deadline)
+        except ServerTimeoutError as err:
+            if not shortened:
+                raise
+            raise ServerTimeoutError(
+                f"{err} [a short wait: an earlier call of this operation already got no reply]"
+            ) from None
         finally:
             self._inflight.pop(key, None)
         frames = self._parked.pop(key)

@@ -1,0 +1,247 @@
+"""Faults with the real server: SIGKILL during a large store / retrieve, restart, and a
+client SIGKILLed between prepare_store and commit_store (reaped by the server).
+
+One SHM server (reap timeout 30 s) serves the module; tests that kill it restart it.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import threading
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import pytest
+import torch
+from conftest import Model, make_model, rand_tokens
+from fake_peer import mappings
+from rel_helpers import (
+    install_frame_watch,
+    leftovers,
+    one_frame_messages,
+    wait_clean,
+    wait_until,
+)
+
+import lmcache_kv_fast as lkf
+from lmcache_kv_fast.testing import LMCacheServer
+
+C = 256
+TIMEOUT = 5.0
+SLACK = 3.0  # cleanup after a timeout (short waits) + the /status diagnosis on a busy box
+LAYERS = 32  # 32 MiB per chunk object (bf16, 8 heads x 128)
+CHUNKS = 4
+
+install_frame_watch()
+
+
+@pytest.fixture(scope="module")
+def fault_server() -> Iterator[LMCacheServer]:
+    srv = LMCacheServer(shm=True, l1_size_gb=1.0,
+                        extra_args=["--worker-reap-timeout-seconds", "30"])
+    try:
+        srv.start()
+        yield srv
+    finally:
+        srv.stop()
+    assert one_frame_messages() == []
+
+
+def _up(srv: LMCacheServer) -> LMCacheServer:
+    if srv.proc is None or srv.proc.poll() is not None:
+        srv.restart()
+    return srv
+
+
+def _kill_during(srv: LMCacheServer, op: Callable[[int], None], delay: float
+                 ) -> tuple[BaseException, float, list[float], int]:
+    """Run ``op(i)`` back to back; once one succeeded, SIGKILL the server ``delay`` s later
+    (so mid-operation); return the error, the seconds from the kill to the error, every
+    op's duration and how many ops succeeded."""
+    killed_at: list[float] = []
+
+    def killer() -> None:
+        killed_at.append(time.monotonic())
+        srv.kill()
+
+    timer = threading.Timer(delay, killer)
+    durations: list[float] = []
+    ok = 0
+    try:
+        for i in range(10_000):
+            t0 = time.monotonic()
+            try:
+                op(i)
+            except BaseException as err:  # checked by the caller
+                durations.append(time.monotonic() - t0)
+                timer.join()
+                assert killed_at, f"op {i} failed before the kill: {err!r}"
+                return err, time.monotonic() - killed_at[0], durations, ok
+            durations.append(time.monotonic() - t0)
+            ok += 1
+            if ok == 1:
+                timer.start()
+            if killed_at and time.monotonic() - killed_at[0] > 4 * TIMEOUT:
+                break
+    finally:
+        timer.cancel()
+        if timer.is_alive():
+            timer.join()
+    raise AssertionError(f"{ok} operations succeeded after the server was killed")
+
+
+def _after_restart_says_reconnect(srv: LMCacheServer, ctx: lkf.LMCacheKVCacheContext,
+                                  m: Model) -> None:
+    srv.restart()
+    for attempt in (ctx.store, ctx.retrieve):  # the first and every later operation
+        t0 = time.monotonic()
+        with pytest.raises(lkf.KVCacheSDKError, match="reconnect") as ei:
+            if attempt == ctx.store:
+                ctx.store(m.kv(C), rand_tokens(C, seed=99))
+            else:
+                ctx.retrieve(rand_tokens(C, seed=99))
+        assert time.monotonic() - t0 < TIMEOUT + SLACK
+        assert "restarted" in str(ei.value)
+
+
+def _closed_and_unmapped(srv: LMCacheServer, ctx: lkf.LMCacheKVCacheContext) -> None:
+    t0 = time.monotonic()
+    ctx.close()
+    assert time.monotonic() - t0 < 2.0
+    assert mappings(srv.pool_segment) == 0, "the SHM mapping outlived close()"
+    with pytest.raises(lkf.ContextClosedError):
+        ctx.lookup(rand_tokens(C))
+
+
+def _fresh_connect_works(srv: LMCacheServer, name: str) -> None:
+    m = make_model(srv, name=name, num_layers=2, num_kv_heads=2, head_size=64)
+    with lkf.connect(srv.url, srv.http_url, m.name, timeout=TIMEOUT) as ctx:
+        toks, kv = rand_tokens(2 * C, seed=7), m.kv(2 * C, seed=7)
+        assert ctx.store(kv, toks)
+        got = ctx.retrieve(toks)
+        assert got is not None and torch.equal(got, kv)
+    assert not any(wait_clean(srv).values())
+
+
+def test_sigkill_during_large_store(fault_server: LMCacheServer) -> None:
+    srv = _up(fault_server)
+    m = make_model(srv, num_layers=LAYERS)
+    kv = m.kv(CHUNKS * C, seed=1)
+    ctx = lkf.connect(srv.url, srv.http_url, m.name, timeout=TIMEOUT)
+    try:
+        assert ctx.transport == "shm" and mappings(srv.pool_segment) == 1
+        results: list[bool] = []
+        err, after_kill, durations, ok = _kill_during(
+            srv, lambda i: results.append(ctx.store(kv, rand_tokens(CHUNKS * C, seed=1000 + i))),
+            delay=0.1)
+        print(f"store: {ok} ok before the kill, error {after_kill:.2f}s after it, "
+              f"op durations {[round(d, 2) for d in durations]}: {err!r:.200}")
+        assert isinstance(err, lkf.KVCacheSDKError), repr(err)
+        assert "no reply" in str(err) or "restarted" in str(err)
+        assert max(durations) < TIMEOUT + SLACK, durations
+        assert after_kill < 2 * (TIMEOUT + SLACK)  # the op in flight, at worst one more
+        assert ok >= 1 and all(results)  # stores before the kill were honest successes
+        _after_restart_says_reconnect(srv, ctx, m)
+        _closed_and_unmapped(srv, ctx)
+    finally:
+        ctx.close()
+    _fresh_connect_works(srv, m.name)
+
+
+def test_sigkill_during_large_retrieve(fault_server: LMCacheServer) -> None:
+    srv = _up(fault_server)
+    m = make_model(srv, num_layers=LAYERS)
+    toks, kv = rand_tokens(CHUNKS * C, seed=2), m.kv(CHUNKS * C, seed=2)
+    ctx = lkf.connect(srv.url, srv.http_url, m.name, timeout=TIMEOUT)
+    try:
+        assert ctx.store(kv, toks)
+        out = torch.empty_like(kv)
+        mismatches = []
+
+        def op(i: int) -> None:
+            got = ctx.retrieve(toks, out=out)
+            if got is None or not torch.equal(got, kv):
+                mismatches.append(i)
+
+        err, after_kill, durations, ok = _kill_during(srv, op, delay=0.05)
+        print(f"retrieve: {ok} ok before the kill, error {after_kill:.2f}s after it, "
+              f"op durations {[round(d, 2) for d in durations]}: {err!r:.200}")
+        assert isinstance(err, lkf.KVCacheSDKError), repr(err)
+        assert mismatches == []  # whatever returned before the error was the stored data
+        assert max(durations) < TIMEOUT + SLACK, durations
+        assert after_kill < 2 * (TIMEOUT + SLACK)
+        assert ok >= 1
+        _after_restart_says_reconnect(srv, ctx, m)
+        _closed_and_unmapped(srv, ctx)
+    finally:
+        ctx.close()
+    _fresh_connect_works(srv, m.name)
+
+
+_CHILD = textwrap.dedent("""
+    import sys, time
+    sys.path.insert(0, {tests!r})
+    from conftest import Model, rand_tokens
+    import torch
+    import lmcache_kv_fast as lkf
+    from lmcache_kv_fast.copy.select import backend
+
+    ctx = lkf.connect({url!r}, {http!r}, {name!r}, timeout=10)
+    assert ctx.ping()  # ping-proven: the server reaps it after the reap timeout
+    be = backend()
+    def hang(*a, **k):  # prepare_store answered, slots reserved: die before commit
+        print("PREPARED", ctx.instance_id, flush=True)
+        time.sleep(600)
+    be.scatter = hang
+    ctx.store(torch.zeros(2, 2, 2 * 256, 128, dtype=torch.bfloat16), rand_tokens(512, seed=3))
+""")
+
+
+@pytest.mark.slow
+def test_client_sigkill_between_prepare_and_commit_is_reaped(fault_server: LMCacheServer) -> None:
+    srv = _up(fault_server)
+    m = make_model(srv, num_layers=2, num_kv_heads=2, head_size=64)
+    tests = str(Path(__file__).resolve().parents[1])
+    code = _CHILD.format(tests=tests, url=srv.url, http=srv.http_url, name=m.name)
+    env = {**os.environ, "PYTHONPATH": str(Path(tests).parent)}
+    child = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE,
+                             stderr=subprocess.PIPE, text=True, env=env)
+    try:
+        line = ""
+        deadline = time.monotonic() + 60
+        while not line.startswith("PREPARED") and time.monotonic() < deadline:
+            line = child.stdout.readline() if child.stdout else ""
+            if not line and child.poll() is not None:
+                break
+        assert line.startswith("PREPARED"), child.stderr.read() if child.stderr else ""
+        iid = line.split()[1]
+        child.send_signal(signal.SIGKILL)
+        assert child.wait(10) == -signal.SIGKILL
+        st = srv.status()
+        assert iid in st["non_cuda_context_meta"]
+        assert st["storage_manager"]["l1_manager"]["write_locked_count"] >= 2  # staged
+    finally:
+        if child.poll() is None:
+            child.kill()
+            child.wait(10)
+        for f in (child.stdout, child.stderr):
+            if f is not None:
+                f.close()
+    # reaped 30..37.5 s after its last ping (reaper period = reap timeout / 4)
+    assert wait_until(lambda: iid not in srv.status()["non_cuda_context_meta"], timeout=60)
+    left = wait_clean(srv, timeout=5)
+    assert left["write_locked_count"] == 0 and left["staging_object_count"] == 0, left
+    # the dead client's session stays until the server's session TTL (600 s): never ended
+    assert left["active_sessions"] <= 1 and left["read_locked_count"] == 0, left
+    # a new client works: store + retrieve of other tokens
+    with lkf.connect(srv.url, srv.http_url, m.name, timeout=TIMEOUT) as ctx:
+        toks, kv = rand_tokens(2 * C, seed=4), m.kv(2 * C, seed=4)
+        assert ctx.store(kv, toks)
+        got = ctx.retrieve(toks)
+        assert got is not None and torch.equal(got, kv)
+    assert leftovers(srv) == left  # the new client left nothing of its own
