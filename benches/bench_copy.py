@@ -337,6 +337,15 @@ def main() -> int:
             views = [r.tensor.view(x.dtype).view(obj_shape) for r in tregs]
             keep.append(torch.cat(views, dim=2))
 
+        # Tensor-parallel shard: W = D/4 columns at col_offset = 2*W (strided rows of 512 B).
+        shard = ChunkGeometry(P, L, C, D // 4, 2)
+        sbase = n_chunks * geom.chunk_nbytes  # after the full-width slots
+        sslots = [_Slot(sbase + i * shard.chunk_nbytes, shard.chunk_nbytes)
+                  for i in range(n_chunks)]
+        snregs = nseg.regions(sslots, shard.chunk_nbytes, 4096)
+        stregs = tseg.regions(sslots, shard.chunk_nbytes, 4096)
+        sbytes = shard.chunk_nbytes * n_chunks
+
         a = str(all_threads)
         cases = [
             roof(1), roof(all_threads),
@@ -370,6 +379,18 @@ def main() -> int:
                  threads=a),
             Case("upstream-style torch.cat of slot views", upstream_cat, nbytes,
                  setup=torch_threads(torch_default), after=drop, threads=str(torch_default)),
+            Case("native scatter TP shard W=D/4 (0.125 GiB)",
+                 lambda: nb.scatter(x, shard, ids, snregs, col_offset=2 * shard.width), sbytes,
+                 setup=set_native_threads(all_threads), threads=a),
+            Case("torch scatter TP shard W=D/4 (0.125 GiB)",
+                 lambda: tb.scatter(x, shard, ids, stregs, col_offset=2 * shard.width), sbytes,
+                 setup=torch_threads(torch_default), threads=str(torch_default)),
+            Case("native gather->out TP shard W=D/4 (0.125 GiB)",
+                 lambda: nb.gather(out, shard, ids, snregs, col_offset=2 * shard.width), sbytes,
+                 setup=set_native_threads(all_threads), threads=a),
+            Case("torch gather->out TP shard W=D/4 (0.125 GiB)",
+                 lambda: tb.gather(out, shard, ids, stregs, col_offset=2 * shard.width), sbytes,
+                 setup=torch_threads(torch_default), threads=str(torch_default)),
         ]
         # Sanity: the gathers reproduce x.
         nb.gather(out, geom, ids, nregs)
@@ -407,6 +428,12 @@ def main() -> int:
         up = by[("upstream-style torch.cat of slot views", str(torch_default))]
         ratio("gather->new alloc_result (pooled) / upstream torch.cat",
               by[("native gather->new alloc_result (pooled)", a)], up, 2.5)
+        ratio("native / torch scatter, TP shard (default threads)",
+              by[("native scatter TP shard W=D/4 (0.125 GiB)", a)],
+              by[("torch scatter TP shard W=D/4 (0.125 GiB)", str(torch_default))], 1.0)
+        ratio("native / torch gather->out, TP shard (default threads)",
+              by[("native gather->out TP shard W=D/4 (0.125 GiB)", a)],
+              by[("torch gather->out TP shard W=D/4 (0.125 GiB)", str(torch_default))], 1.0)
         ratio("gather->new fresh buffer (pool miss path) / upstream torch.cat",
               by[("native gather->new hugepage mmap+populate, no pool", a)], up, 2.5)
         print(f"result pool: {_native.result_pool_stats()}; loadavg at end "

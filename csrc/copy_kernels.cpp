@@ -22,8 +22,10 @@ namespace {
 // with cached stores); below that the destination fits in L2 and cached stores are as
 // fast and leave the data hot for the reader.
 constexpr uint64_t kDefaultStreamThreshold = 4ull << 20;
-// Below this a single run is copied with memcpy even when streaming.
-constexpr size_t kMinStreamRun = 1024;
+// Below this a single run (row) is copied with memcpy even when streaming. Rows of a
+// tensor-parallel shard copy (W * itemsize, typically 256 B - 2 KiB) still stream whole
+// cache lines.
+constexpr size_t kMinStreamRun = 256;
 
 std::atomic<int> g_kernel{static_cast<int>(Kernel::kAuto)};
 std::atomic<uint64_t> g_stream_threshold{kDefaultStreamThreshold};

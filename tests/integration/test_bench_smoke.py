@@ -1,0 +1,117 @@
+"""Smoke test of the benchmark harness: ``bench --quick --json`` against its own servers.
+
+Checks that every path and workload produced positive, finite numbers; no timing assertions.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from lmcache_kv_fast.testing.server import lmcache_available
+
+ROOT = Path(__file__).resolve().parents[2]
+
+pytestmark = [
+    pytest.mark.skipif(not lmcache_available(), reason="needs the LMCache server (lmcache)"),
+    pytest.mark.skipif(
+        os.environ.get("LMCACHE_KV_FAST_BACKEND", "").strip().lower() == "torch",
+        reason="the bench runs each backend in its own worker; once per suite is enough",
+    ),
+]
+
+
+@pytest.mark.parametrize("tokens", [1, 9, 10, 25, 260, 2048])
+def test_w3_edit_matches_demo(tokens: int) -> None:
+    import torch
+
+    from lmcache_kv_fast import benchmark
+    from lmcache_kv_fast.demo import drop_every_kth
+
+    kv = torch.randn(2, 3, tokens, 8).to(torch.bfloat16)
+    toks = list(range(100, 100 + tokens))
+    want_kv, want_toks = drop_every_kth(kv, toks, 10)
+    for fn in (benchmark.drop_every_kth, benchmark.drop_every_kth_index_select):
+        got_kv, got_toks = fn(kv, toks, 10)
+        assert torch.equal(got_kv, want_kv) and got_toks == want_toks
+        assert got_kv.is_contiguous()
+
+
+def _positive(xs: list[float]) -> bool:
+    return bool(xs) and all(isinstance(x, float) and math.isfinite(x) and x > 0 for x in xs)
+
+
+@pytest.mark.timeout(300)
+def test_bench_quick_json(tmp_path: Path) -> None:
+    out = tmp_path / "bench.json"
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(
+        [str(ROOT), *[p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]])}
+    env.pop("LMCACHE_KV_FAST_BACKEND", None)
+    p = subprocess.run(
+        [sys.executable, "-m", "lmcache_kv_fast", "bench", "--quick", "--no-progress",
+         "--json", str(out)],
+        capture_output=True, text=True, timeout=240, env=env, cwd=tmp_path,
+        stdin=subprocess.DEVNULL,
+    )
+    assert p.returncode == 0, f"stdout:\n{p.stdout[-4000:]}\nstderr:\n{p.stderr[-4000:]}"
+    assert "targets" in p.stdout and "W1 store warm" in p.stdout
+    doc = json.loads(out.read_text())
+
+    for key in ("cores", "memory_gib", "python", "torch", "lmcache", "lmcache_kv_fast"):
+        assert doc["machine"].get(key), key
+    assert doc["machine"]["default_backend"] == "native"
+    assert not doc["errors"]
+
+    n = doc["default_threads"]
+    native = [f"kvfast-native-{k}t" for k in doc["threads"]]
+    roof = sorted({f"roofline-{k}t" for k in (1, n)})
+    ours_shm = [*native, "kvfast-native@torch1", "kvfast-torch"]
+    ups_shm = ["upstream", "upstream@torch1"]
+    expected: dict[str, list[str]] = {
+        "W1 store warm": ours_shm + ups_shm,
+        "W1 store cold": ours_shm + ups_shm,
+        "W1 retrieve warm": ours_shm + ups_shm,
+        "W1 retrieve cold": ours_shm + ups_shm,
+        "W1 retrieve+out warm": ours_shm,
+        "W1 copy warm": roof,
+        "W1 copy cold": roof,
+        "W1 copy cold shm": roof,
+        "W2 store": [*ours_shm, *ups_shm, "kvfast-pickle", "upstream-pickle"],
+        "W2 retrieve": [*ours_shm, *ups_shm, "kvfast-pickle", "upstream-pickle"],
+        "W2 copy": roof,
+        "W3 rewrite sequential": [f"kvfast-native-{n}t", "upstream"],
+        "W3 rewrite batch": [f"kvfast-native-{n}t"],
+        "W4 store": ["kvfast-pickle", "upstream-pickle"],
+        "W4 retrieve": ["kvfast-pickle", "upstream-pickle"],
+        "W4 copy": roof,
+    }
+    records = {(r["path"], r["op"]): r for r in doc["records"]}
+    for op, paths in expected.items():
+        for path in paths:
+            rec = records.get((path, op))
+            assert rec is not None, f"no record for {path} / {op}"
+            assert rec["nbytes"] > 0, (path, op)
+            assert _positive(rec["samples"]), (path, op, rec)
+    summary = {(r["path"], r["op"]): r for r in doc["summary"]}
+    for key, row in summary.items():
+        for f in ("min", "median", "p90", "p99", "gbps"):
+            assert math.isfinite(row[f]) and row[f] > 0, (key, f, row[f])
+
+    ic = doc["import_connect"]["samples"]
+    for kind in ("import torch", "kvfast import+connect", "upstream import+connect"):
+        assert _positive(ic[kind]["import"]), kind
+        assert _positive(ic[kind]["total"]), kind
+    for kind in ("kvfast import+connect", "upstream import+connect"):
+        assert _positive(ic[kind]["connect"]), kind
+
+    targets = {t["name"]: t for t in doc["targets"]}
+    assert len(targets) == 16
+    for t in targets.values():
+        assert t["status"] in ("PASS", "MISS"), t
+        assert math.isfinite(t["value"]), t
