@@ -159,6 +159,21 @@ def _region_args(regions: Sequence[Region], what: str
     return addrs, lens, (owners if any_owner else None), keep
 
 
+def _copy(op: str, t: torch.Tensor, geom: ChunkGeometry, chunk_ids: Sequence[int],
+          regions: Sequence[Region], col_offset: int) -> None:
+    """Validate, then run ``_native.scatter`` (tensor → regions) or ``_native.gather``."""
+    what = "source tensor" if op == "scatter" else "destination tensor"
+    tokens = check_tensor_view(t, geom, col_offset, what)
+    check_chunk_ids(chunk_ids, len(regions), tokens, geom.chunk_tokens, op)
+    addrs, lens, owners, keep = _region_args(regions, op)
+    if not addrs:
+        return
+    getattr(_native, op)(t.data_ptr(), t.numel() * t.element_size(), _shape4(t),
+                         geom.itemsize, geom.width, col_offset, geom.chunk_tokens,
+                         [int(i) for i in chunk_ids], addrs, lens, owners)
+    del keep
+
+
 def scatter(src: torch.Tensor, geom: ChunkGeometry, chunk_ids: Sequence[int],
             regions: Sequence[Region], col_offset: int = 0) -> None:
     """Copy chunk ``chunk_ids[j]`` of ``src`` into ``regions[j]`` for every j.
@@ -166,15 +181,7 @@ def scatter(src: torch.Tensor, geom: ChunkGeometry, chunk_ids: Sequence[int],
     Raises:
         ValueError: Bad tensor view, chunk ids, or regions (nothing is copied then).
     """
-    tokens = check_tensor_view(src, geom, col_offset, "source tensor")
-    check_chunk_ids(chunk_ids, len(regions), tokens, geom.chunk_tokens, "scatter")
-    addrs, lens, owners, keep = _region_args(regions, "scatter")
-    if not addrs:
-        return
-    _native.scatter(src.data_ptr(), src.numel() * src.element_size(), _shape4(src),
-                    geom.itemsize, geom.width, col_offset, geom.chunk_tokens,
-                    [int(i) for i in chunk_ids], addrs, lens, owners)
-    del keep
+    _copy("scatter", src, geom, chunk_ids, regions, col_offset)
 
 
 def gather(dst: torch.Tensor, geom: ChunkGeometry, chunk_ids: Sequence[int],
@@ -184,15 +191,7 @@ def gather(dst: torch.Tensor, geom: ChunkGeometry, chunk_ids: Sequence[int],
     Raises:
         ValueError: Bad tensor view, chunk ids, or regions (nothing is copied then).
     """
-    tokens = check_tensor_view(dst, geom, col_offset, "destination tensor")
-    check_chunk_ids(chunk_ids, len(regions), tokens, geom.chunk_tokens, "gather")
-    addrs, lens, owners, keep = _region_args(regions, "gather")
-    if not addrs:
-        return
-    _native.gather(dst.data_ptr(), dst.numel() * dst.element_size(), _shape4(dst),
-                   geom.itemsize, geom.width, col_offset, geom.chunk_tokens,
-                   [int(i) for i in chunk_ids], addrs, lens, owners)
-    del keep
+    _copy("gather", dst, geom, chunk_ids, regions, col_offset)
 
 
 def alloc_result(shape: Sequence[int], dtype: torch.dtype) -> torch.Tensor:
