@@ -27,7 +27,6 @@ Three layers (protocol doc §2.6, §9):
 
 from __future__ import annotations
 
-import argparse
 import contextlib
 import itertools
 import logging
@@ -35,7 +34,6 @@ import math
 import os
 import re
 import secrets
-import signal
 import threading
 import time
 import weakref
@@ -1537,83 +1535,8 @@ class KVEventPublisher:
 
 
 # ---------------------------------------------------------------------------- CLI
-def _print_batch(seq: int, batch: VllmKVEventBatch) -> None:
-    """Show a batch like vLLM's ``kv_events_subscriber.py`` example."""
-    print(f"Received event batch at {batch.ts} (seq {seq}):", flush=True)
-    for ev in batch.events:
-        print(f"  - {ev}", flush=True)
-
-
-def _parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(
-        prog="lmcache-kv-fast events",
-        description="Republish the KV events of an LMCache MP server (0.5.6+) in vLLM's "
-                    "KV-events ZMQ format (PUB, optional ROUTER replay).",
-    )
-    p.add_argument("--url", required=True, help="server ZMQ URL, tcp://host:port")
-    p.add_argument("--http-url", required=True, help="server HTTP URL, http://host:port")
-    p.add_argument("--model", required=True, help="model name whose events to publish")
-    p.add_argument("--publish", default=DEFAULT_PUBLISH, help="PUB endpoint to bind "
-                   f"(default {DEFAULT_PUBLISH})")
-    p.add_argument("--topic", default=DEFAULT_TOPIC, help=f"topic (default {DEFAULT_TOPIC})")
-    p.add_argument("--replay", default=None, help="ROUTER replay endpoint to bind, e.g. "
-                   "tcp://127.0.0.1:5558")
-    p.add_argument("--print", action="store_true", dest="print_events",
-                   help="also show every published batch on the terminal")
-    p.add_argument("--cursor", type=int, default=0, help="server cursor to start from "
-                   "(default 0: replay the retained log)")
-    p.add_argument("--max-events", type=int, default=MAX_EVENTS_PER_BATCH,
-                   help="records per server batch, 1..1024")
-    p.add_argument("--wire-format", choices=("array", "map"), default="array",
-                   help="array: vLLM <= 0.23 positional structs (default); map: events as "
-                        "tagged maps (newer vLLM)")
-    p.add_argument("--int-block-hashes", action="store_true",
-                   help="publish hashes as 64-bit ints (vLLM VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES)")
-    p.add_argument("--timeout", type=float, default=10.0, help="probe timeout in seconds")
-    p.add_argument("--log-level", default="INFO", help="logging level (default INFO)")
-    return p
-
-
 def events_main(argv: list[str]) -> int:
-    """``lmcache-kv-fast events``: publish a server's KV events until Ctrl-C / SIGTERM.
+    """``lmcache-kv-fast events`` (see :func:`lmcache_kv_fast.events_cli.events_main`)."""
+    from lmcache_kv_fast.events_cli import events_main as _main
 
-    Args:
-        argv: Arguments after ``events``.
-
-    Returns:
-        0 after a clean stop, 1 when the server cannot be used, 2 for bad arguments.
-    """
-    try:
-        args = _parser().parse_args(argv)
-    except SystemExit as exc:
-        return int(exc.code or 0) if isinstance(exc.code, int) else 2
-    if not logging.getLogger().handlers:
-        logging.basicConfig(level=getattr(logging, str(args.log_level).upper(), logging.INFO),
-                            format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    try:
-        pub = KVEventPublisher(
-            args.url, http_url=args.http_url, model_name=args.model, publish=args.publish,
-            topic=args.topic, replay=args.replay, cursor=args.cursor,
-            max_events=args.max_events, timeout=args.timeout, wire_format=args.wire_format,
-            int_block_hashes=args.int_block_hashes, announce_local=False,
-            on_publish=_print_batch if args.print_events else None,
-        )
-    except InvalidArgumentError as err:
-        logger.error("%s", err)
-        return 2
-    except KVCacheSDKError as err:
-        logger.error("%s", err)
-        return 1
-    previous: dict[int, Any] = {}
-    if threading.current_thread() is threading.main_thread():
-        for sig in (signal.SIGINT, signal.SIGTERM):
-            previous[sig] = signal.signal(sig, lambda *_: pub.stop())
-    try:
-        pub.run()
-    except KeyboardInterrupt:
-        pass
-    finally:
-        pub.stop()
-        for sig, handler in previous.items():
-            signal.signal(sig, handler)
-    return 0
+    return _main(argv)
