@@ -20,6 +20,7 @@ import operator
 import os
 import re
 import secrets
+import sys
 import threading
 import time
 import warnings
@@ -30,7 +31,6 @@ from typing import Any
 
 import torch
 
-from lmcache_kv_fast import events as _events
 from lmcache_kv_fast.copy import ChunkGeometry, Region, backend
 from lmcache_kv_fast.dataplane.pickle_fast import ChunkFrameBuilder, locate_chunks
 from lmcache_kv_fast.dataplane.pickle_plane import safe_loads_chunks
@@ -814,9 +814,11 @@ class LMCacheKVCacheContext:
                 result = self._store_shm(ch, src, toks, salt, n)
             else:
                 result = self._store_pickle(ch, src, toks, salt, n)
-        if result.tokens_stored and _events.has_listeners(self.model_name):
-            # SDK stores produce no `stored` KV events on the server (doc §11 #21): announce
-            _events.announce_store(self, toks, salt, result.tokens_stored // self._chunk_size)
+        # SDK stores produce no `stored` KV events on the server (doc §11 #21): announce them
+        # to local listeners. Nobody can listen unless the events module was imported.
+        ev = sys.modules.get("lmcache_kv_fast.events")
+        if ev is not None and result.tokens_stored and ev.has_listeners(self.model_name):
+            ev.announce_store(self, toks, salt, result.tokens_stored // self._chunk_size)
         return result
 
     def _store_shm(self, ch: Channel, src: torch.Tensor, toks: list[int], salt: str,

@@ -31,8 +31,8 @@ pytestmark = [
 def test_w3_edit_matches_demo(tokens: int) -> None:
     import torch
 
-    from lmcache_kv_fast import benchmark
     from lmcache_kv_fast.demo import drop_every_kth
+    from lmcache_kv_fast.testing import benchmark
 
     kv = torch.randn(2, 3, tokens, 8).to(torch.bfloat16)
     toks = list(range(100, 100 + tokens))
