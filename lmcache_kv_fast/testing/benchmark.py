@@ -878,7 +878,8 @@ def worker_main(argv: Sequence[str]) -> int:
 
 # ---------------------------------------------------------------------------- orchestrator
 def _pkg_root() -> str:
-    return str(Path(__file__).resolve().parent.parent)
+    """The directory that holds the ``lmcache_kv_fast`` package (this file is in testing/)."""
+    return str(Path(__file__).resolve().parents[2])
 
 
 def _child_env(backend: str | None = None) -> dict[str, str]:
