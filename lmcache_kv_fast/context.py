@@ -171,6 +171,27 @@ def check_salt(cache_salt: Any) -> str:
     return cache_salt
 
 
+def check_request_configs(request_configs: Any) -> dict[str, Any] | None:
+    """Validate per-request ``request_configs`` (passed through in every key, doc §4.1).
+
+    Raises:
+        InvalidTypeError: Not None or a dict with str keys of msgpack-encodable values.
+    """
+    if request_configs is None:
+        return None
+    if not isinstance(request_configs, dict) or not all(
+            isinstance(k, str) for k in request_configs):
+        raise InvalidTypeError(
+            "request_configs must be None or a dict with str keys, got "
+            f"{type(request_configs).__name__}"
+        )
+    try:
+        codec.encode(request_configs)
+    except (TypeError, ValueError, OverflowError) as err:
+        raise InvalidTypeError(f"request_configs cannot be encoded: {err}") from err
+    return request_configs
+
+
 class LMCacheKVCacheContext:
     """A connection to one LMCache MP server for one model.
 
@@ -220,6 +241,7 @@ class LMCacheKVCacheContext:
         self._hb_stop = threading.Event()
         self._hb_thread: threading.Thread | None = None
         self._rid_counter = itertools.count()
+        self._tls = threading.local()  # per-call request_configs of the calling thread
         self._key_locks: dict[tuple[str, tuple[int, ...]], list[Any]] = {}
         self._key_locks_mutex = threading.Lock()
         _check_connect_args(url, http_url, model_name, timeout, world_size, copy_threads)
@@ -406,13 +428,14 @@ class LMCacheKVCacheContext:
 
     # ------------------------------------------------------------------ helpers
     @contextlib.contextmanager
-    def _op(self) -> Iterator[Channel]:
+    def _op(self, request_configs: dict[str, Any] | None = None) -> Iterator[Channel]:
         with self._ops_cv:
             if self._closing or self._closed:
                 raise ContextClosedError(
                     f"the SDK context for {self.model_name!r} at {self.url} is closed"
                 )
             self._ops += 1
+        self._tls.request_configs = request_configs
         try:
             assert self._zmq is not None
             if self._forgotten is not None:
@@ -429,6 +452,7 @@ class LMCacheKVCacheContext:
                     raise
                 raise better from err
         finally:
+            self._tls.request_configs = None
             with self._ops_cv:
                 self._ops -= 1
                 self._ops_cv.notify_all()
@@ -497,6 +521,7 @@ class LMCacheKVCacheContext:
         return IPCCacheServerKey(
             model_name=self.model_name, world_size=self.world_size, worker_id=worker_id,
             token_ids=tokens, start=start, end=end, request_id=rid, cache_salt=salt,
+            request_configs=getattr(self._tls, "request_configs", None),
             num_kv_readers=SDK_NUM_KV_READERS,
         )
 
@@ -623,7 +648,8 @@ class LMCacheKVCacheContext:
     def _end_session(self, ch: Channel, rid: str) -> PendingCall:
         return ch.send(Op.END_SESSION, [rid])
 
-    def lookup(self, tokens: Sequence[int], cache_salt: str = "") -> int:
+    def lookup(self, tokens: Sequence[int], cache_salt: str = "", *,
+               request_configs: dict[str, Any] | None = None) -> int:
         """Return how many leading tokens are cached (whole chunks), moving no data.
 
         Every lock and session the lookup takes is released before returning.
@@ -631,6 +657,7 @@ class LMCacheKVCacheContext:
         Args:
             tokens: Token ids from position 0.
             cache_salt: Per-tenant isolation salt.
+            request_configs: Free-form per-request metadata passed through in the keys.
 
         Returns:
             Cached prefix length in tokens (a multiple of ``chunk_size``).
@@ -640,7 +667,8 @@ class LMCacheKVCacheContext:
         n_tok = len(toks) // self._chunk_size * self._chunk_size
         if n_tok == 0:
             return 0
-        with self._op() as ch:
+        rc = check_request_configs(request_configs)
+        with self._op(rc) as ch:
             return self._lookup_release(ch, toks[:n_tok], salt) * self._chunk_size
 
     def _lookup_release(self, ch: Channel, toks: list[int], salt: str) -> int:
@@ -664,12 +692,14 @@ class LMCacheKVCacheContext:
 
     # ------------------------------------------------------------------ retrieve
     def retrieve(self, tokens: Sequence[int], cache_salt: str = "", *,
-                 out: torch.Tensor | None = None) -> torch.Tensor | None:
+                 out: torch.Tensor | None = None,
+                 request_configs: dict[str, Any] | None = None) -> torch.Tensor | None:
         """Retrieve the KV of the cached prefix of ``tokens``.
 
         Args:
             tokens: Token ids from position 0 (a trailing partial chunk is ignored).
             cache_salt: Per-tenant isolation salt.
+            request_configs: Free-form per-request metadata passed through in the keys.
             out: Optional contiguous CPU tensor of the model's dtype, shaped
                 ``[2, L, >=T, D]`` (``[L, >=T, D]`` for single-plane models), to write into;
                 the result is then ``out[..., :hit, :]``. Its content beyond the hit (or on
@@ -687,7 +717,8 @@ class LMCacheKVCacheContext:
         if n_tok == 0:
             return None
         toks = toks[:n_tok]
-        with self._op() as ch:
+        rc = check_request_configs(request_configs)
+        with self._op(rc) as ch:
             rid = self._rid("r")
             pending: list[PendingCall] = []
             try:
@@ -771,7 +802,8 @@ class LMCacheKVCacheContext:
         return [Region.of_tensor(t) for t in chunks]
 
     # ------------------------------------------------------------------ store
-    def store(self, kv: torch.Tensor, tokens: Sequence[int], cache_salt: str = "") -> bool:
+    def store(self, kv: torch.Tensor, tokens: Sequence[int], cache_salt: str = "", *,
+              request_configs: dict[str, Any] | None = None) -> bool:
         """Store ``kv`` under ``tokens``.
 
         ``len(tokens)`` must equal the tensor's token dimension; both are truncated to
@@ -782,15 +814,16 @@ class LMCacheKVCacheContext:
                 models) of the model's dtype.
             tokens: The ``T`` token ids.
             cache_salt: Per-tenant isolation salt.
+            request_configs: Free-form per-request metadata passed through in the keys.
 
         Returns:
             True exactly when every whole chunk is in the cache after the call (written now
             or already there); False when nothing whole was given or some chunk was refused.
         """
-        return self.store_ex(kv, tokens, cache_salt).ok
+        return self.store_ex(kv, tokens, cache_salt, request_configs=request_configs).ok
 
-    def store_ex(self, kv: torch.Tensor, tokens: Sequence[int],
-                 cache_salt: str = "") -> StoreResult:
+    def store_ex(self, kv: torch.Tensor, tokens: Sequence[int], cache_salt: str = "", *,
+                 request_configs: dict[str, Any] | None = None) -> StoreResult:
         """Store like :meth:`store` and say what happened to every chunk.
 
         Returns:
@@ -809,7 +842,8 @@ class LMCacheKVCacheContext:
         if n == 0:
             return StoreResult(0, 0, 0, 0, 0)
         toks = toks[: n * self._chunk_size]
-        with self._op() as ch, self._same_key(salt, toks):
+        rc = check_request_configs(request_configs)
+        with self._op(rc) as ch, self._same_key(salt, toks):
             if self._shm is not None:
                 result = self._store_shm(ch, src, toks, salt, n)
             else:

@@ -76,9 +76,10 @@ def retrieve(
     cache_salt: str = "",
     *,
     out: torch.Tensor | None = None,
+    request_configs: dict | None = None,
 ) -> torch.Tensor | None:
     """Retrieve the KV of the cached prefix of ``tokens`` (see ``ctx.retrieve``)."""
-    return ctx.retrieve(tokens, cache_salt, out=out)
+    return ctx.retrieve(tokens, cache_salt, out=out, request_configs=request_configs)
 
 
 def store(
@@ -86,9 +87,11 @@ def store(
     kv: torch.Tensor,
     tokens: Sequence[int],
     cache_salt: str = "",
+    *,
+    request_configs: dict | None = None,
 ) -> bool:
     """Store ``kv`` under ``tokens``; True when every whole chunk is cached afterwards."""
-    return ctx.store(kv, tokens, cache_salt)
+    return ctx.store(kv, tokens, cache_salt, request_configs=request_configs)
 
 
 def store_ex(

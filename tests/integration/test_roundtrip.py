@@ -203,3 +203,18 @@ def test_clear_drops_cached_kv(ctx, model):
     assert ctx.lookup(toks) == C
     ctx.clear()
     assert ctx.lookup(toks) == 0
+
+
+def test_request_configs_pass_through(ctx, model):
+    toks = rand_tokens(C, seed=43)
+    kv = model.kv(C, seed=44)
+    rc = {"lmcache.tag.user": "alice", "priority": 3}
+    assert lmc_sdk.store(ctx, kv, toks, request_configs=rc)
+    assert torch.equal(lmc_sdk.retrieve(ctx, toks, request_configs=rc), kv)
+    assert ctx.lookup(toks, request_configs=rc) == C
+    # not part of cache identity: found without it too
+    assert torch.equal(ctx.retrieve(toks), kv)
+    with pytest.raises(TypeError, match="request_configs"):
+        ctx.retrieve(toks, request_configs={1: "x"})
+    with pytest.raises(TypeError, match="request_configs"):
+        ctx.store(kv, toks, request_configs=["x"])
