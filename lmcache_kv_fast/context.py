@@ -72,6 +72,8 @@ logger = logging.getLogger(__name__)
 CONNECT_PROBE_TIMEOUT_S = 5.0
 #: After a timeout, ``/status`` is asked (this fast) whether the server forgot us.
 RESTART_PROBE_TIMEOUT_S = 1.0
+#: Re-lookups after a store whose chunks were staged by another writer (seconds apart).
+SETTLE_DELAYS_S = (0.005, 0.02, 0.05)
 #: Seconds one ``wait_prefetch_status`` may block the server's normal pool.
 PREFETCH_WAIT_SLICE_S = 0.1
 
@@ -917,7 +919,7 @@ class LMCacheKVCacheContext:
             all_written &= w
         if ok_commits and len(all_written) == n:
             return StoreResult(end, n, n, 0, 0)
-        k = self._lookup_release(ch, toks, salt)
+        k = self._settled_prefix(ch, toks, salt, n)
         n_written = len([i for i in all_written if i < k]) if ok_commits else 0
         present = min(k, n)
         cached = max(0, present - n_written)
@@ -953,12 +955,27 @@ class LMCacheKVCacheContext:
                     ok = False
                     logger.warning("commit_store failed: %s", err)
             self._wait_quiet(ch, self._end_session(ch, rid))
-        k1 = self._lookup_release(ch, toks, salt)
+        k1 = self._settled_prefix(ch, toks, salt, n)
         present = min(k1, n)
         written = max(0, present - k0)
         if not ok:
             logger.warning("pickle commit_store reported a partial write; verified by lookup")
         return StoreResult(present * c, n, written, min(k0, present), n - present)
+
+    def _settled_prefix(self, ch: Channel, toks: list[int], salt: str, n: int) -> int:
+        """Cached prefix (chunks) after a store that did not write every chunk itself.
+
+        A chunk that got no slot is cached, refused (L1 full) or being written right now by
+        another client (staged, invisible until its commit): look again briefly so a
+        concurrent identical store is reported as cached, not refused.
+        """
+        k = self._lookup_release(ch, toks, salt)
+        for delay in SETTLE_DELAYS_S:
+            if k >= n:
+                break
+            time.sleep(delay)
+            k = self._lookup_release(ch, toks, salt)
+        return k
 
     def _frame_builder(self) -> ChunkFrameBuilder:
         b = self._builder
