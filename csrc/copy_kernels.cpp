@@ -2,6 +2,10 @@
 
 #include <pybind11/pybind11.h>
 
+#include <errno.h>
+#include <limits.h>
+#include <sys/uio.h>
+
 #include <algorithm>
 #include <atomic>
 #include <cstring>
@@ -26,6 +30,9 @@ constexpr uint64_t kDefaultStreamThreshold = 4ull << 20;
 // tensor-parallel shard copy (W * itemsize, typically 256 B - 2 KiB) still stream whole
 // cache lines.
 constexpr size_t kMinStreamRun = 256;
+// Piece size of cached-store copies into non-resident pages (well below glibc's
+// non-temporal threshold, a few L2-sized pieces per 2 MiB).
+constexpr size_t kCachedPiece = 256 << 10;
 
 std::atomic<int> g_kernel{static_cast<int>(Kernel::kAuto)};
 std::atomic<uint64_t> g_stream_threshold{kDefaultStreamThreshold};
@@ -184,18 +191,19 @@ std::string stream_isa() {
 }
 
 void CopyPlan::add(char* dst, const char* src, uint64_t rows, uint64_t row_bytes,
-                   uint64_t dst_pitch, uint64_t src_pitch) {
+                   uint64_t dst_pitch, uint64_t src_pitch, int64_t tag, bool cached) {
   if (rows == 0 || row_bytes == 0) return;
   // Callers validated sizes; rows * row_bytes cannot overflow for in-bounds ranges.
   if (rows == 1 && !ops_.empty()) {  // coalesce runs contiguous on both sides
     CopyOp& last = ops_.back();
-    if (last.rows == 1 && last.dst + last.row_bytes == dst && last.src + last.row_bytes == src) {
+    if (last.rows == 1 && last.tag == tag && last.cached == cached &&
+        last.dst + last.row_bytes == dst && last.src + last.row_bytes == src) {
       last.row_bytes += row_bytes;
       total_ += row_bytes;
       return;
     }
   }
-  ops_.push_back(CopyOp{dst, src, rows, row_bytes, dst_pitch, src_pitch});
+  ops_.push_back(CopyOp{dst, src, rows, row_bytes, dst_pitch, src_pitch, tag, cached});
   start_.push_back(total_);
   total_ += rows * row_bytes;
 }
@@ -212,8 +220,20 @@ void CopyPlan::run_part(int part, int nparts, bool stream) const {
   const uint64_t end = split(part + 1);
   if (begin >= end) return;
   const StreamFn sfn = stream ? stream_fn_for(get_kernel()) : nullptr;
+  bool cached = false;  // of the op being copied
   auto copy = [&](char* d, const char* s, size_t n) {
-    if (sfn != nullptr && n >= kMinStreamRun) {
+    if (cached) {
+      // Fresh pages: the kernel has just zeroed each one into the cache on the fault, so
+      // cached stores hit it there (streaming stores would write it to memory twice). In
+      // pieces, so glibc's memcpy does not switch to non-temporal stores for big runs.
+      while (n > 0) {
+        const size_t take = std::min<size_t>(n, kCachedPiece);
+        std::memcpy(d, s, take);
+        d += take;
+        s += take;
+        n -= take;
+      }
+    } else if (sfn != nullptr && n >= kMinStreamRun) {
       sfn(d, s, n);
     } else {
       std::memcpy(d, s, n);
@@ -227,6 +247,7 @@ void CopyPlan::run_part(int part, int nparts, bool stream) const {
     const uint64_t op_bytes = op.rows * op.row_bytes;
     uint64_t local = pos - start_[i];
     const uint64_t stop = std::min(end - start_[i], op_bytes);
+    cached = op.cached;
     if (op.rows == 1) {
       copy(op.dst + local, op.src + local, stop - local);
       local = stop;
@@ -247,18 +268,82 @@ void CopyPlan::run_part(int part, int nparts, bool stream) const {
   if (sfn != nullptr) store_fence();  // order the weakly-ordered stores before "done"
 }
 
+bool CopyPlan::stream_for(uint64_t total) {
+  const Kernel k = get_kernel();
+  return k == Kernel::kStream || k == Kernel::kStreamAvx2 || k == Kernel::kStreamSse2 ||
+         (k == Kernel::kAuto && total >= g_stream_threshold.load(std::memory_order_relaxed));
+}
+
 int CopyPlan::execute() const {
   if (total_ == 0) return 0;
-  const Kernel k = get_kernel();
-  const bool stream =
-      k == Kernel::kStream || k == Kernel::kStreamAvx2 || k == Kernel::kStreamSse2 ||
-      (k == Kernel::kAuto && total_ >= g_stream_threshold.load(std::memory_order_relaxed));
+  const bool stream = stream_for(total_);
   if (sequential_) {
     run_part(0, 1, stream);
     return 1;
   }
   return run_parallel(total_, 1 << 20,
                       [this, stream](int part, int nparts) { run_part(part, nparts, stream); });
+}
+
+namespace {
+
+// Write one FileWrite completely; 0 or errno. Retries EINTR and short writes.
+int write_all(const FileWrite& w) {
+  std::vector<iovec> iov(w.iov);
+  size_t first = 0;
+  uint64_t offset = w.offset;
+  while (first < iov.size()) {
+    const int cnt = static_cast<int>(std::min<size_t>(iov.size() - first, IOV_MAX));
+    const ssize_t n = pwritev(w.fd, iov.data() + first, cnt, static_cast<off_t>(offset));
+    if (n < 0) {
+      if (errno == EINTR) continue;
+      return errno;
+    }
+    if (n == 0) return EIO;
+    offset += static_cast<uint64_t>(n);
+    size_t left = static_cast<size_t>(n);
+    while (first < iov.size() && left >= iov[first].iov_len) {
+      left -= iov[first].iov_len;
+      ++first;
+    }
+    if (left > 0) {
+      iov[first].iov_base = static_cast<char*>(iov[first].iov_base) + left;
+      iov[first].iov_len -= left;
+    }
+  }
+  return 0;
+}
+
+}  // namespace
+
+int execute_with_files(const CopyPlan& mem, const std::vector<FileWrite>& files) {
+  uint64_t file_bytes = 0;
+  for (const FileWrite& w : files) file_bytes += w.bytes;
+  std::atomic<int> err{0};
+  auto do_files = [&] {
+    for (const FileWrite& w : files) {
+      const int e = write_all(w);
+      if (e != 0) {
+        int expected = 0;
+        err.compare_exchange_strong(expected, e);
+        return;
+      }
+    }
+  };
+  const bool stream = CopyPlan::stream_for(mem.total_bytes());
+  // Task 0 writes the files; tasks 1.. split the mapped copy. Tasks are handed out in
+  // order, so the writes start at once and the other threads share the rest.
+  run_parallel(mem.total_bytes() + file_bytes, 1 << 20, [&](int part, int nparts) {
+    if (nparts == 1) {
+      do_files();
+      mem.run_part(0, 1, stream);
+    } else if (part == 0) {
+      do_files();
+    } else {
+      mem.run_part(part - 1, nparts - 1, stream);
+    }
+  });
+  return err.load();
 }
 
 }  // namespace lmckv

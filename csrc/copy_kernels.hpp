@@ -5,6 +5,8 @@
 // threads (splitting inside runs and rows), so one huge run still uses every thread.
 #pragma once
 
+#include <sys/uio.h>
+
 #include <cstddef>
 #include <cstdint>
 #include <string>
@@ -38,6 +40,8 @@ struct CopyOp {
   uint64_t row_bytes;
   uint64_t dst_pitch;
   uint64_t src_pitch;
+  int64_t tag;   // caller's label (kv copies: the region index); runs coalesce within a tag
+  bool cached;   // destination pages are not resident: always use cached stores (see below)
 };
 
 class CopyPlan {
@@ -48,7 +52,9 @@ class CopyPlan {
   }
   // Add `rows` rows of `row_bytes` bytes; rows == 1 is a flat run.
   void add(char* dst, const char* src, uint64_t rows, uint64_t row_bytes, uint64_t dst_pitch,
-           uint64_t src_pitch);
+           uint64_t src_pitch, int64_t tag = -1, bool cached = false);
+  const std::vector<CopyOp>& ops() const { return ops_; }
+  bool sequential() const { return sequential_; }
   uint64_t total_bytes() const { return total_; }
   size_t size() const { return ops_.size(); }
   // Keep the copies in order on one thread (overlapping destinations: last write wins,
@@ -58,13 +64,33 @@ class CopyPlan {
   // Run the copies (pool or calling thread). Call WITHOUT the GIL. Returns parts used.
   int execute() const;
 
- private:
+  // Whether execute() would use streaming stores for a job of `total` bytes.
+  static bool stream_for(uint64_t total);
+  // Copy byte range [total * part / nparts, total * (part + 1) / nparts) of the plan.
   void run_part(int part, int nparts, bool stream) const;
 
+ private:
   std::vector<CopyOp> ops_;
   std::vector<uint64_t> start_;  // byte offset of each op in the concatenated stream
   uint64_t total_ = 0;
   bool sequential_ = false;
 };
+
+// One positional write into a file: `iov` gathered from memory, written at `offset`.
+struct FileWrite {
+  int fd;
+  uint64_t offset;
+  uint64_t bytes;
+  std::vector<iovec> iov;
+};
+
+// Run `mem` on the pool while one participant writes `files` (in order, with pwritev)
+// concurrently. Stores into pages a tmpfs file does not have yet are ~2x cheaper through
+// write(2) than through a mapping: the kernel skips zeroing a page that a write covers
+// whole and there is no page fault per 4 KiB. Writes to one file serialise on its inode
+// lock, so one participant does them all while the others copy through the mapping.
+// Call WITHOUT the GIL. Never throws: returns 0, or the errno of the first failed write
+// (the remaining writes are skipped; `mem` is still copied).
+int execute_with_files(const CopyPlan& mem, const std::vector<FileWrite>& files);
 
 }  // namespace lmckv

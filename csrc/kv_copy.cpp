@@ -122,16 +122,17 @@ CopyPlan plan_kv_copy(bool to_regions, uintptr_t tensor_ptr, uint64_t tensor_nby
         }
         char* t = tbase + toff;
         char* r = rbase + roff;
+        const int64_t tag = static_cast<int64_t>(j);
         if (full) {
           if (to_regions) {
-            plan.add(r, t, 1, chunk_rows_bytes, 0, 0);
+            plan.add(r, t, 1, chunk_rows_bytes, 0, 0, tag);
           } else {
-            plan.add(t, r, 1, chunk_rows_bytes, 0, 0);
+            plan.add(t, r, 1, chunk_rows_bytes, 0, 0, tag);
           }
         } else if (to_regions) {
-          plan.add(r, t, g.chunk_tokens, row_bytes, row_bytes, t_pitch);
+          plan.add(r, t, g.chunk_tokens, row_bytes, row_bytes, t_pitch, tag);
         } else {
-          plan.add(t, r, g.chunk_tokens, row_bytes, t_pitch, row_bytes);
+          plan.add(t, r, g.chunk_tokens, row_bytes, t_pitch, row_bytes, tag);
         }
       }
     }

@@ -5,6 +5,9 @@
 #include <pybind11/pybind11.h>
 #include <pybind11/stl.h>
 
+#include <atomic>
+#include <cerrno>
+#include <algorithm>
 #include <memory>
 #include <optional>
 #include <string>
@@ -51,6 +54,106 @@ class PinSet {
 
 uint64_t field(py::handle obj, const char* what) { return to_u64_nonneg(obj, what); }
 
+// Share of the cold regions of a scatter written with pwritev (see execute_with_files):
+// < 0 auto, 0 never, else that fraction (1: all of them).
+std::atomic<double> g_cold_write_fraction{-1.0};
+std::atomic<uint64_t> g_stat_file_bytes{0};    // scattered into segments with pwritev
+std::atomic<uint64_t> g_stat_cold_mapped{0};   // scattered into cold pages via the mapping
+std::atomic<uint64_t> g_stat_cold_regions{0};  // regions found cold
+
+// Throughputs measured on a 2-core VM (benches/bench_copy.py "cold" table): pwritev into
+// fresh tmpfs pages ~3 GB/s on the one thread the inode lock allows, faulting copies
+// ~2 GB/s per thread. Balance the two so both finish together.
+double auto_cold_write_fraction(int threads) {
+  if (threads <= 1) return 1.0;
+  constexpr double kWrite = 3.0;
+  constexpr double kFault = 2.0;
+  return kWrite / (kWrite + kFault * static_cast<double>(threads - 1));
+}
+
+// Scatter `plan` (validated, regions pinned) with cold destination regions written
+// through the segment file. Returns false when nothing is cold (caller runs the plan).
+bool scatter_cold_aware(const CopyPlan& plan, const std::vector<Mapping*>& owner_of,
+                        const std::vector<int64_t>& addrs, const std::vector<int64_t>& lens) {
+  const double setting = g_cold_write_fraction.load();
+  if (plan.sequential()) return false;
+  const size_t n = addrs.size();
+  std::vector<char> cold(n, 0);
+  std::vector<char> flat(n, 1);  // every run of the region is one flat row
+  for (const CopyOp& op : plan.ops()) {
+    if (op.tag >= 0 && static_cast<size_t>(op.tag) < n && op.rows != 1) flat[op.tag] = 0;
+  }
+  size_t n_cold = 0;
+  uint64_t cold_bytes = 0;
+  for (size_t j = 0; j < n; ++j) {
+    Mapping* m = owner_of[j];
+    if (m != nullptr && m->fd() >= 0 &&
+        m->cold(static_cast<uintptr_t>(addrs[j]), static_cast<uint64_t>(lens[j]))) {
+      cold[j] = 1;
+      ++n_cold;
+      cold_bytes += static_cast<uint64_t>(lens[j]);
+    }
+  }
+  if (n_cold == 0) return false;
+  g_stat_cold_regions += n_cold;
+  double frac = setting < 0 ? auto_cold_write_fraction(get_threads()) : std::min(setting, 1.0);
+  // Faulting a page into a full tmpfs raises SIGBUS; a write fails with ENOSPC instead.
+  std::vector<Mapping*> seen;
+  for (size_t j = 0; j < n && frac > 0.0; ++j) {
+    if (cold[j] && std::find(seen.begin(), seen.end(), owner_of[j]) == seen.end()) {
+      seen.push_back(owner_of[j]);
+      if (owner_of[j]->fs_free_bytes() < cold_bytes + (64ull << 20)) frac = 1.0;
+    }
+  }
+  // Which cold regions go through the file: evenly spread, `frac` of them.
+  std::vector<char> by_file(n, 0);
+  size_t k = 0;
+  for (size_t j = 0; j < n; ++j) {
+    if (!cold[j]) continue;
+    // region k of the cold ones goes to the file when floor((k+1)f) > floor(kf)
+    const auto before = static_cast<uint64_t>(static_cast<double>(k) * frac + 1e-9);
+    const auto after = static_cast<uint64_t>(static_cast<double>(k + 1) * frac + 1e-9);
+    by_file[j] = (after > before && flat[j]) ? 1 : 0;
+    ++k;
+  }
+  CopyPlan mem;
+  mem.reserve(plan.size());
+  std::vector<FileWrite> files;
+  uint64_t file_bytes = 0;
+  uint64_t cold_mapped = 0;
+  for (const CopyOp& op : plan.ops()) {
+    const size_t j = static_cast<size_t>(op.tag);
+    if (op.tag < 0 || j >= n || !by_file[j]) {
+      const bool c = op.tag >= 0 && j < n && cold[j];
+      if (c) cold_mapped += op.rows * op.row_bytes;
+      mem.add(op.dst, op.src, op.rows, op.row_bytes, op.dst_pitch, op.src_pitch, op.tag, c);
+      continue;
+    }
+    Mapping* m = owner_of[j];
+    const uint64_t off = reinterpret_cast<uintptr_t>(op.dst) - m->address();
+    if (files.empty() || files.back().fd != m->fd() ||
+        files.back().offset + files.back().bytes != off) {
+      files.push_back(FileWrite{m->fd(), off, 0, {}});
+    }
+    files.back().iov.push_back(iovec{const_cast<char*>(op.src), op.row_bytes});
+    files.back().bytes += op.row_bytes;
+    file_bytes += op.row_bytes;
+  }
+  int err = 0;
+  {
+    py::gil_scoped_release nogil;
+    err = execute_with_files(mem, files);
+  }
+  g_stat_file_bytes += file_bytes;
+  g_stat_cold_mapped += cold_mapped;
+  if (err != 0) {
+    errno = err;
+    PyErr_SetFromErrno(PyExc_OSError);
+    throw py::error_already_set();
+  }
+  return true;
+}
+
 void kv_copy(bool to_regions, py::handle tensor_ptr, py::handle tensor_nbytes, py::handle shape,
              py::handle itemsize, py::handle width, py::handle col_offset,
              py::handle chunk_tokens, py::handle chunk_ids, py::handle region_addrs,
@@ -82,6 +185,7 @@ void kv_copy(bool to_regions, py::handle tensor_ptr, py::handle tensor_nbytes, p
                                addrs, lens);
 
   PinSet pins;
+  std::vector<Mapping*> owner_of(addrs.size(), nullptr);
   if (!owners.is_none()) {
     py::sequence seq = py::reinterpret_borrow<py::sequence>(owners);
     if (seq.size() != addrs.size()) {
@@ -105,7 +209,9 @@ void kv_copy(bool to_regions, py::handle tensor_ptr, py::handle tensor_nbytes, p
                               " lies outside segment " + m->name());
       }
       pins.add(o, m);
+      owner_of[j] = m;
     }
+    if (to_regions && scatter_cold_aware(plan, owner_of, addrs, lens)) return;
   }
   py::gil_scoped_release nogil;
   plan.execute();
@@ -249,6 +355,25 @@ PYBIND11_MODULE(_native, m) {
         [](py::handle n) { set_stream_threshold(field(n, "threshold")); }, "nbytes"_a);
   m.def("get_stream_threshold", &get_stream_threshold);
   m.def("config", &config);
+  m.def("set_cold_write_fraction",
+        [](double f) {
+          if (!(f == -1.0 || (f >= 0.0 && f <= 1.0))) {
+            throw py::value_error("cold write fraction must be -1 (auto) or in [0, 1], got " +
+                                  std::to_string(f));
+          }
+          g_cold_write_fraction.store(f);
+        },
+        "fraction"_a,
+        "Share of a scatter's not-yet-allocated segment regions written with pwritev "
+        "instead of through the mapping: -1 auto (by thread count), 0 never, 1 all.");
+  m.def("get_cold_write_fraction", [] { return g_cold_write_fraction.load(); });
+  m.def("copy_stats", [] {
+    py::dict d;
+    d["file_write_bytes"] = g_stat_file_bytes.load();
+    d["cold_mapped_bytes"] = g_stat_cold_mapped.load();
+    d["cold_regions"] = g_stat_cold_regions.load();
+    return d;
+  });
 
   m.def("result_pool_stats", &pool_stats);
   m.def("set_result_pool_limit",

@@ -4,6 +4,7 @@
 #include <pybind11/pybind11.h>
 #include <sys/mman.h>
 #include <sys/stat.h>
+#include <sys/statvfs.h>
 #include <unistd.h>
 
 #include <algorithm>
@@ -219,6 +220,28 @@ uintptr_t Mapping::address() const {
 bool Mapping::contains(uintptr_t addr, uint64_t n) const {
   const uintptr_t b = reinterpret_cast<uintptr_t>(base_);
   return base_ != nullptr && addr >= b && n <= size_ && addr - b <= size_ - n;
+}
+
+bool Mapping::cold(uintptr_t addr, uint64_t n) const {
+  if (base_ == nullptr || n == 0 || !contains(addr, n)) return false;
+  const uint64_t ps = page_size();
+  const uintptr_t first = addr & ~static_cast<uintptr_t>(ps - 1);
+  const uint64_t pages = (addr + n - first + ps - 1) / ps;
+  const uint64_t samples = std::min<uint64_t>(pages, 8);
+  uint64_t absent = 0;
+  for (uint64_t k = 0; k < samples; ++k) {
+    const uint64_t page = samples == 1 ? 0 : (pages - 1) * k / (samples - 1);
+    unsigned char v = 0;
+    if (mincore(reinterpret_cast<void*>(first + page * ps), ps, &v) != 0) return false;
+    absent += (v & 1) ? 0 : 1;
+  }
+  return absent * 2 > samples;
+}
+
+uint64_t Mapping::fs_free_bytes() const {
+  struct statvfs sv {};
+  if (fd_ < 0 || fstatvfs(fd_, &sv) != 0) return UINT64_MAX;
+  return static_cast<uint64_t>(sv.f_bavail) * static_cast<uint64_t>(sv.f_frsize);
 }
 
 std::vector<uintptr_t> Mapping::regions(const std::vector<int64_t>& offsets,

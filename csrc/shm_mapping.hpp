@@ -64,6 +64,14 @@ class Mapping {
   // Whether [addr, addr + n) lies inside the mapping.
   bool contains(uintptr_t addr, uint64_t n) const;
 
+  // Whether most of a sample of the pages of [addr, addr + n) (inside the mapping) are
+  // not allocated in the segment yet (mincore; false when unknown). Cheap: <= 8 pages.
+  bool cold(uintptr_t addr, uint64_t n) const;
+  // Bytes still free on the file system holding the segment (UINT64_MAX if unknown).
+  uint64_t fs_free_bytes() const;
+  // The open segment file (-1 once closed); valid while pinned.
+  int fd() const { return fd_; }
+
   // Keep the memory mapped while a copy runs (GIL held). ValueError if closed.
   void pin();
   void unpin();

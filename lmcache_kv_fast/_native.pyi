@@ -138,6 +138,24 @@ def set_stream_threshold(nbytes: int) -> None:
     """Copies of at least this many bytes use streaming stores under ``auto``."""
 
 def get_stream_threshold() -> int: ...
+def set_cold_write_fraction(fraction: float) -> None:
+    """Share of a scatter's not-yet-allocated segment regions written with ``pwritev``.
+
+    A store into pages the server's pool segment does not have yet (fresh or released L1)
+    is cheaper through the segment file: the kernel skips zeroing pages a write covers
+    and takes no page fault per 4 KiB; writes to one file serialise, so the rest of the
+    cold regions go through the mapping (cached stores) on the other threads. ``-1``:
+    auto (by thread count; all of them when the file system has too little room, so a
+    full ``/dev/shm`` gives ``OSError(ENOSPC)`` instead of SIGBUS), ``0``: never, ``1``: all.
+
+    Raises:
+        ValueError: Not -1 and not in [0, 1].
+    """
+
+def get_cold_write_fraction() -> float: ...
+def copy_stats() -> dict[str, int]:
+    """Process totals: ``file_write_bytes``, ``cold_mapped_bytes``, ``cold_regions``."""
+
 def config() -> dict[str, Any]:
     """Threads, thresholds, kernel, streaming ISA and usable CPUs."""
 

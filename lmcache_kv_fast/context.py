@@ -13,6 +13,7 @@ Flows (protocol doc §1, §3), every request on the calling thread's own DEALER 
 from __future__ import annotations
 
 import contextlib
+import errno
 import itertools
 import logging
 import math
@@ -898,7 +899,17 @@ class LMCacheKVCacheContext:
                 plans.append((r, idx, regions))
             for r, idx, regions in plans:
                 if idx:
-                    self._backend.scatter(src, self._geom, idx, regions, self._shard_cols[r])
+                    try:
+                        self._backend.scatter(src, self._geom, idx, regions,
+                                              self._shard_cols[r])
+                    except OSError as err:  # pwritev into the pool file (native backend)
+                        self._uncommitted += 1
+                        raise KVCacheSDKError(
+                            f"cannot write {len(idx)} chunks into the server's SHM pool "
+                            f"/dev/shm/{self._shm.name}: {err}"  # type: ignore[union-attr]
+                            + (" (the file system holding /dev/shm is full)"
+                               if err.errno == errno.ENOSPC else "")
+                        ) from err
             for r, idx, _ in plans:
                 if idx:
                     commits.append(ch.send(Op.COMMIT_STORE, [keys[r], self.instance_id],

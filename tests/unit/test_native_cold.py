@@ -1,0 +1,179 @@
+"""Scatter into segment pages that do not exist yet (a fresh or punched server L1).
+
+The native core writes part of such regions with ``pwritev`` on the segment file (no page
+fault, no zeroing of a page the write covers) and the rest through the mapping with cached
+stores. Whatever the split, the bytes must be exactly those of the plain mapped copy, the
+mapping must see them at once, and resident regions must stay on the mapped path.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import os
+import uuid
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+import pytest
+import torch
+
+pytest.importorskip("lmcache_kv_fast._native")
+
+from lmcache_kv_fast import _native
+from lmcache_kv_fast.copy import native_backend as nb
+from lmcache_kv_fast.copy.base import ChunkGeometry
+
+GEOM = ChunkGeometry(2, 4, 64, 256, 2)  # 256 KiB chunks, bf16
+N_CHUNKS = 8
+_FALLOC_FL_KEEP_SIZE, _FALLOC_FL_PUNCH_HOLE = 0x01, 0x02
+
+
+@dataclass(frozen=True)
+class _Slot:
+    offset: int
+    length: int
+
+
+@pytest.fixture
+def segment() -> Iterator[tuple[str, nb.NativeSegment]]:
+    name = f"lmckv-cold-{os.getpid()}-{uuid.uuid4().hex[:10]}"
+    path = f"/dev/shm/{name}"
+    fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
+    try:
+        os.ftruncate(fd, N_CHUNKS * GEOM.chunk_nbytes)
+    finally:
+        os.close(fd)
+    seg = nb.open_segment(name)
+    try:
+        yield path, seg
+    finally:
+        seg.close()
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(path)
+
+
+@pytest.fixture(autouse=True)
+def _restore_fraction() -> Iterator[None]:
+    before = _native.get_cold_write_fraction()
+    try:
+        yield
+    finally:
+        _native.set_cold_write_fraction(before)
+
+
+def _punch(path: str) -> None:
+    libc = ctypes.CDLL(None, use_errno=True)
+    fd = os.open(path, os.O_RDWR)
+    try:
+        size = os.fstat(fd).st_size
+        rc = libc.fallocate(fd, _FALLOC_FL_PUNCH_HOLE | _FALLOC_FL_KEEP_SIZE,
+                            ctypes.c_long(0), ctypes.c_long(size))
+        assert rc == 0, os.strerror(ctypes.get_errno())
+    finally:
+        os.close(fd)
+
+
+def _file_chunks(path: str) -> torch.Tensor:
+    with open(path, "rb") as f:
+        raw = bytearray(f.read())
+    return torch.frombuffer(raw, dtype=torch.bfloat16).view(N_CHUNKS, *GEOM.object_shape())
+
+
+def _kv(tokens: int, seed: int) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(2, 4, tokens, 256, generator=g).to(torch.bfloat16)
+
+
+@pytest.mark.parametrize("fraction", [-1.0, 0.0, 0.5, 1.0])
+def test_cold_scatter_is_exact(segment: tuple[str, nb.NativeSegment], fraction: float) -> None:
+    path, seg = segment
+    _native.set_cold_write_fraction(fraction)
+    kv = _kv(N_CHUNKS * GEOM.chunk_tokens, seed=1)
+    slots = [_Slot(i * GEOM.chunk_nbytes, GEOM.chunk_nbytes) for i in range(N_CHUNKS)]
+    regions = seg.regions(slots, GEOM.chunk_nbytes, 4096)
+    ids = list(reversed(range(N_CHUNKS)))  # chunk i -> slot N-1-i
+    before = _native.copy_stats()
+    nb.scatter(kv, GEOM, ids, regions)
+    after = _native.copy_stats()
+    assert after["cold_regions"] - before["cold_regions"] == N_CHUNKS
+    file_bytes = after["file_write_bytes"] - before["file_write_bytes"]
+    total = N_CHUNKS * GEOM.chunk_nbytes
+    expected = {0.0: 0, 0.5: total // 2, 1.0: total}.get(fraction)
+    if expected is not None:
+        assert file_bytes == expected
+    else:
+        assert 0 < file_bytes <= total
+    # The file and the mapping (read back with a gather) both hold exactly the chunks.
+    on_file = _file_chunks(path)
+    for j, i in enumerate(ids):
+        assert torch.equal(on_file[j], kv[:, :, i * 64:(i + 1) * 64]), (j, i)
+    back = torch.zeros_like(kv)
+    nb.gather(back, GEOM, ids, regions)
+    assert torch.equal(back, kv)
+
+
+def test_resident_regions_stay_on_the_mapping(segment: tuple[str, nb.NativeSegment]) -> None:
+    path, seg = segment
+    _native.set_cold_write_fraction(1.0)
+    slots = [_Slot(i * GEOM.chunk_nbytes, GEOM.chunk_nbytes) for i in range(N_CHUNKS)]
+    regions = seg.regions(slots, GEOM.chunk_nbytes, 4096)
+    first = _kv(N_CHUNKS * 64, seed=2)
+    nb.scatter(first, GEOM, range(N_CHUNKS), regions)  # now every page is allocated
+    second = _kv(N_CHUNKS * 64, seed=3)
+    before = _native.copy_stats()
+    nb.scatter(second, GEOM, range(N_CHUNKS), regions)
+    after = _native.copy_stats()
+    assert after["cold_regions"] == before["cold_regions"]
+    assert after["file_write_bytes"] == before["file_write_bytes"]
+    back = torch.zeros_like(second)
+    nb.gather(back, GEOM, range(N_CHUNKS), regions)
+    assert torch.equal(back, second)
+    # Punched (like a cleared, released L1): cold again, written exactly again.
+    _punch(path)
+    nb.scatter(first, GEOM, range(N_CHUNKS), regions)
+    assert _native.copy_stats()["cold_regions"] - after["cold_regions"] == N_CHUNKS
+    nb.gather(back, GEOM, range(N_CHUNKS), regions)
+    assert torch.equal(back, first)
+
+
+def test_half_resident_store(segment: tuple[str, nb.NativeSegment]) -> None:
+    _, seg = segment
+    _native.set_cold_write_fraction(1.0)
+    c = GEOM.chunk_nbytes
+    regions = seg.regions([_Slot(i * c, c) for i in range(N_CHUNKS)], c, 4096)
+    warm = _kv(4 * 64, seed=4)
+    nb.scatter(warm, GEOM, range(4), regions[:4])
+    kv = _kv(N_CHUNKS * 64, seed=5)
+    before = _native.copy_stats()
+    nb.scatter(kv, GEOM, range(N_CHUNKS), regions)
+    after = _native.copy_stats()
+    assert after["cold_regions"] - before["cold_regions"] == 4
+    assert after["file_write_bytes"] - before["file_write_bytes"] == 4 * c
+    back = torch.zeros_like(kv)
+    nb.gather(back, GEOM, range(N_CHUNKS), regions)
+    assert torch.equal(back, kv)
+
+
+def test_tensor_parallel_shard_into_cold_pages(segment: tuple[str, nb.NativeSegment]) -> None:
+    """Strided rows (a TP shard's columns) cannot be one write: mapped, cached stores."""
+    _, seg = segment
+    _native.set_cold_write_fraction(1.0)
+    shard = ChunkGeometry(2, 4, 64, 128, 2)  # half of D=256
+    c = shard.chunk_nbytes
+    regions = seg.regions([_Slot(i * c, c) for i in range(4)], c, 4096)
+    kv = _kv(4 * 64, seed=6)
+    before = _native.copy_stats()
+    nb.scatter(kv, shard, range(4), regions, col_offset=128)
+    after = _native.copy_stats()
+    assert after["file_write_bytes"] == before["file_write_bytes"]
+    assert after["cold_mapped_bytes"] - before["cold_mapped_bytes"] == 4 * c
+    back = torch.zeros_like(kv)
+    nb.gather(back, shard, range(4), regions, col_offset=128)
+    assert torch.equal(back[..., 128:], kv[..., 128:])
+
+
+@pytest.mark.parametrize("bad", [1.5, -0.5, -2.0, float("nan")])
+def test_fraction_validation(bad: float) -> None:
+    with pytest.raises(ValueError, match="cold write fraction"):
+        _native.set_cold_write_fraction(bad)
