@@ -648,8 +648,13 @@ class LMCacheKVCacheContext:
         k.worker_id = worker_id
         self._wait_quiet(ch, ch.send(Op.FREE_LOOKUP_LOCKS, [k, self.world_size]))
 
-    def _end_session(self, ch: Channel, rid: str) -> PendingCall:
-        return ch.send(Op.END_SESSION, [rid])
+    def _end_session(self, ch: Channel, rid: str) -> None:
+        """End a session without waiting for its acknowledgement.
+
+        Saves ~0.3-0.5 ms per call; the acknowledgement is collected later, at the latest
+        before the socket closes.
+        """
+        ch.fire(Op.END_SESSION, [rid])
 
     def lookup(self, tokens: Sequence[int], cache_salt: str = "", *,
                request_configs: dict[str, Any] | None = None) -> int:
@@ -683,14 +688,14 @@ class LMCacheKVCacheContext:
             if hit:
                 key = self._key(toks, 0, hit * self._chunk_size, rid, salt, None)
                 c_free = ch.send(Op.FREE_LOOKUP_LOCKS, [key, self.world_size])
-                if not self._fifo_normal_pool:
+                if self._fifo_normal_pool:  # one FIFO thread: the end runs after the free
+                    self._end_session(ch, rid)
                     self._wait_quiet(ch, c_free)
-                c_end = self._end_session(ch, rid)
-                if self._fifo_normal_pool:
+                else:
                     self._wait_quiet(ch, c_free)
-                self._wait_quiet(ch, c_end)
+                    self._end_session(ch, rid)
             else:
-                self._wait_quiet(ch, self._end_session(ch, rid))
+                self._end_session(ch, rid)
         return hit
 
     # ------------------------------------------------------------------ retrieve
@@ -740,7 +745,7 @@ class LMCacheKVCacheContext:
                 # commit_retrieve (affinity pool) touches the session, so end it afterwards
                 for c in pending:
                     self._wait_quiet(ch, c)
-                self._wait_quiet(ch, self._end_session(ch, rid))
+                self._end_session(ch, rid)
 
     def _fetch(self, ch: Channel, toks: list[int], rid: str, salt: str, n: int,
                out: torch.Tensor | None, pending: list[PendingCall]) -> torch.Tensor | None:
@@ -924,7 +929,7 @@ class LMCacheKVCacheContext:
                     ok_commits = False
                     logger.warning("commit_store failed: %s", err)
             # commit_store (affinity pool) touches the session: end it afterwards
-            self._wait_quiet(ch, self._end_session(ch, rid))
+            self._end_session(ch, rid)
         all_written = set(range(n))
         for w in written:
             all_written &= w
@@ -965,7 +970,7 @@ class LMCacheKVCacheContext:
                 except KVCacheSDKError as err:
                     ok = False
                     logger.warning("commit_store failed: %s", err)
-            self._wait_quiet(ch, self._end_session(ch, rid))
+            self._end_session(ch, rid)
         k1 = self._settled_prefix(ch, toks, salt, n)
         present = min(k1, n)
         written = max(0, present - k0)
@@ -1075,6 +1080,9 @@ class LMCacheKVCacheContext:
         if self._hb_thread is not None and self._hb_thread is not threading.current_thread():
             self._hb_thread.join(timeout=2.0)
         zmq_client = self._zmq
+        if zmq_client is not None and drained and not zmq_client.closing:
+            # Fired releases (end_session) reach the server before we unregister / close.
+            zmq_client.settle(min(self.timeout, CONNECT_PROBE_TIMEOUT_S))
         if zmq_client is not None and self._registered and not zmq_client.closing and \
                 self._forgotten is None:
             if self._uncommitted:

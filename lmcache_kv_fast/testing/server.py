@@ -283,6 +283,22 @@ class LMCacheServer:
         """``GET /status``."""
         return self.http().status()
 
+    def settled_status(self, timeout: float = 2.0) -> dict[str, Any]:
+        """``GET /status`` once no session, prefetch job or lock is left (or ``timeout``).
+
+        The SDK does not wait for the acknowledgement of ``end_session`` (it is sent last,
+        after the data moved), so the server may still be processing it for a millisecond
+        after a call returns. A real leak stays and shows in the returned status.
+        """
+        deadline = time.monotonic() + timeout
+        while True:
+            st = self.status()
+            l1 = st.get("storage_manager", {}).get("l1_manager", {})
+            if (st.get("active_sessions") == 0 and st.get("active_prefetch_jobs") == 0 and
+                    l1.get("read_locked_count", 0) == 0) or time.monotonic() >= deadline:
+                return st
+            time.sleep(0.02)
+
     def clear(self) -> None:
         """Clear L1 (``POST /cache/clear`` with force)."""
         self.http().clear_cache(force=True)

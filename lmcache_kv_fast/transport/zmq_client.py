@@ -65,6 +65,8 @@ class Channel:
         self.sock.connect(client.url)
         self._inflight: dict[bytes, PendingCall] = {}
         self._parked: dict[bytes, list[Any]] = {}
+        #: Fired calls (see fire()) whose acknowledgement has not arrived yet.
+        self._unacked: dict[bytes, PendingCall] = {}
         self.owner = threading.get_ident()
         #: A call timed out and nothing was received since (see UNRESPONSIVE_TIMEOUT_S).
         self.unresponsive = False
@@ -96,6 +98,29 @@ class Channel:
             self._inflight[uid_frame] = call
             self.sock.send_multipart(frames, copy=len(frames[-1]) < 65536)
         return call
+
+    def fire(self, op: Op, payloads: Sequence[Any] = ()) -> None:
+        """Send a request whose reply nobody waits for (a release such as ``end_session``).
+
+        The reply is consumed whenever this channel next receives; :meth:`settle` waits
+        for the outstanding ones (before the socket closes, so nothing is lost).
+        """
+        call = self.send(op, payloads)
+        self._inflight.pop(call.uid_frame, None)
+        self._unacked[call.uid_frame] = call
+
+    def settle(self, timeout: float) -> bool:
+        """Wait up to ``timeout`` seconds for the replies of fired calls; True when none is left."""
+        deadline = time.monotonic() + timeout
+        with contextlib.suppress(zmq.ZMQError):
+            while self._unacked:
+                remaining = deadline - time.monotonic()
+                if remaining <= 0:
+                    return False
+                if self.sock.poll(max(1, min(int(remaining * 1000) + 1, _POLL_SLICE_MS)),
+                                  zmq.POLLIN):
+                    self._drain()
+        return not self._unacked
 
     # -- receiving -------------------------------------------------------------------
     def wait(self, call: PendingCall, resp_type: Any = None, timeout: float | None = None) -> Any:
@@ -171,6 +196,8 @@ class Channel:
                 return
             self.unresponsive = False  # the server is alive (even a late reply says so)
             uid_frame = frames[0].bytes if frames else b""
+            if self._unacked.pop(uid_frame, None) is not None:
+                continue  # the acknowledgement of a fired call
             if uid_frame not in self._inflight:
                 logger.debug("dropping a reply for unknown or timed-out uid %r", uid_frame[:16])
                 continue
@@ -304,6 +331,19 @@ class ZmqClient:
             channels, self._channels = self._channels, []
         for ch in channels:
             ch.close()
+
+    def settle(self, timeout: float) -> bool:
+        """Let every channel collect the acknowledgements of its fired calls.
+
+        See :meth:`Channel.settle`. Only when no call is running on any channel.
+        """
+        deadline = time.monotonic() + timeout
+        with self._lock:
+            channels = list(self._channels)
+        ok = True
+        for ch in channels:
+            ok &= ch.settle(max(0.0, deadline - time.monotonic()))
+        return ok
         self.zmq_context.term()
 
 

@@ -117,7 +117,7 @@ def _same(a: torch.Tensor | None, b: torch.Tensor) -> bool:
 
 
 def _assert_no_leftovers(s: Setup) -> None:
-    st = s.server.status()
+    st = s.server.settled_status()
     assert st["active_sessions"] == 0, st["active_sessions"]
     assert st["active_prefetch_jobs"] == 0, st["active_prefetch_jobs"]
     l1 = st["storage_manager"]["l1_manager"]

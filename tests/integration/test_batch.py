@@ -128,7 +128,7 @@ def test_memory_bound_200_sequences(small):
 
 
 def _leftovers(srv):
-    st = srv.status()
+    st = srv.settled_status()
     l1 = st["storage_manager"]["l1_manager"]
     return (st["active_sessions"], st["active_prefetch_jobs"], l1["read_locked_count"],
             l1["write_locked_count"])

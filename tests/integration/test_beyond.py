@@ -152,7 +152,7 @@ def test_lookup_moves_no_data_and_releases(server):
         assert lmc_sdk.lookup(ctx, toks) == 3 * C
         assert ctx.lookup(toks[:C + 3]) == C
         assert ctx.lookup(toks[:10]) == 0
-        st = server.status()
+        st = server.settled_status()
         assert st["active_sessions"] == 0 and st["active_prefetch_jobs"] == 0
         assert st["storage_manager"]["l1_manager"]["read_locked_count"] == 0
 
@@ -251,7 +251,7 @@ def test_thread_safety_stress(server):
                 assert torch.equal(ctx.retrieve(toks), kv)
     assert errors == []
     assert sum(counts.values()) == 1600
-    st = server.status()
+    st = server.settled_status()
     assert st["active_sessions"] == 0 and st["active_prefetch_jobs"] == 0
     l1 = st["storage_manager"]["l1_manager"]
     assert l1["read_locked_count"] == 0 and l1["write_locked_count"] == 0

@@ -190,11 +190,31 @@ def test_no_leftover_sessions_or_locks(server):
         assert ctx.retrieve(toks) is not None
         assert ctx.retrieve(rand_tokens(2 * C, seed=26)) is None
         assert ctx.lookup(toks) == 2 * C
-        st = server.status()
+        st = server.settled_status()
         assert st["active_sessions"] == 0
         assert st["active_prefetch_jobs"] == 0
         assert st["storage_manager"]["l1_manager"]["read_locked_count"] == 0
         assert st["storage_manager"]["l1_manager"]["write_locked_count"] == 0
+
+
+def test_unawaited_session_ends_are_delivered_by_close(server):
+    """end_session is sent without waiting for its reply; close() collects every reply
+    first, so right after close the server holds no session of ours (no polling)."""
+    m = make_model(server)
+    ctx = lmc_sdk.connect(server.url, server.http_url, m.name, timeout=20)
+    toks = rand_tokens(2 * C, seed=27)
+    try:
+        assert ctx.store(m.kv(2 * C), toks)
+        for i in range(40):
+            assert ctx.retrieve(toks) is not None
+            assert ctx.retrieve(rand_tokens(C, seed=2000 + i)) is None
+            assert ctx.lookup(toks) == 2 * C
+        assert ctx.ping()  # replies of fired calls never confuse a waiting call
+    finally:
+        ctx.close()
+    st = server.status()
+    assert st["active_sessions"] == 0 and st["active_prefetch_jobs"] == 0, st
+    assert st["storage_manager"]["l1_manager"]["read_locked_count"] == 0
 
 
 def test_clear_drops_cached_kv(ctx, model):

@@ -60,7 +60,7 @@ def dealer_messages() -> int:
 
 def leftovers(server: LMCacheServer) -> dict[str, int]:
     """Sessions, prefetch jobs, locks and staged objects the server still holds."""
-    st = server.status()
+    st = server.settled_status()
     l1 = st["storage_manager"]["l1_manager"]
     return {
         "active_sessions": int(st["active_sessions"]),
