@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import logging
 import random
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 
@@ -19,12 +19,25 @@ from lmcache_kv_fast.context import LMCacheKVCacheContext
 logger = logging.getLogger(__name__)
 
 
-def drop_every_kth(kv: torch.Tensor, tokens: Sequence[int], k: int = 10
+def drop_every_kth(kv: torch.Tensor, tokens: Sequence[int], k: int = 10, *,
+                   alloc: Callable[..., torch.Tensor] | None = None
                    ) -> tuple[torch.Tensor, list[int]]:
-    """Drop tokens ``k-1, 2k-1, ...`` from the KV tensor (dim -2) and the token list."""
+    """Drop tokens ``k-1, 2k-1, ...`` from the KV tensor (dim -2) and the token list.
+
+    Args:
+        kv: ``[..., T, D]`` KV.
+        tokens: Its ``T`` token ids.
+        k: Drop every k-th token.
+        alloc: Where to put the result (``batch.rewrite`` passes its pooled allocator);
+            a fresh tensor when None.
+    """
     keep = [i for i in range(len(tokens)) if (i + 1) % k != 0]
     index = torch.tensor(keep, dtype=torch.long)
-    return kv.index_select(-2, index).contiguous(), [tokens[i] for i in keep]
+    new_toks = [tokens[i] for i in keep]
+    if alloc is None:
+        return kv.index_select(-2, index).contiguous(), new_toks
+    out = alloc((*kv.shape[:-2], len(keep), kv.shape[-1]), kv.dtype)
+    return torch.index_select(kv, -2, index, out=out), new_toks
 
 
 def run_batch_demo(ctx: LMCacheKVCacheContext, *, sequences: int = 32, tokens: int = 2048,
@@ -40,7 +53,8 @@ def run_batch_demo(ctx: LMCacheKVCacheContext, *, sequences: int = 32, tokens: i
 
     seeded = batch.store_many(ctx, seed_items(), progress=progress)
     logger.info("seeded the cache: %s", seeded.summary())
-    report = batch.rewrite(ctx, prompts, lambda kv, t: drop_every_kth(kv, t, k),
+    report = batch.rewrite(ctx, prompts,
+                           lambda kv, t, *, alloc: drop_every_kth(kv, t, k, alloc=alloc),
                            progress=progress)
     # verify a sample: the stored edit is exactly the edit of the original
     for p in prompts[:: max(1, sequences // 4)]:

@@ -27,7 +27,10 @@ Workloads (sizes are flags; ``--quick`` shrinks them for CI):
 * W3: batch rewrite of ``--w3-sequences`` sequences of 2048 tokens (retrieve, drop every
   10th token, store under the new tokens): ``batch.rewrite`` vs a sequential loop over this
   SDK's retrieve/store vs the same loop over the upstream SDK. L1 is cleared and re-seeded
-  for each contender, so each one finds exactly the seeded sequences.
+  for each contender, so each one finds exactly the seeded sequences. The loops' edit
+  writes into ``torch.empty`` (fresh pages, what a plain loop gets); under ``rewrite`` it
+  writes into the ``alloc`` it is given (rewrite's pool of warm buffers), unless
+  ``--w3-no-alloc``.
 * W4: 64 MiB store / retrieve over the pickle plane.
 * IC: ``import`` + ``connect`` in fresh interpreters (this SDK, upstream, and ``import
   torch`` alone, so this SDK's own share beyond torch is visible).
@@ -351,34 +354,42 @@ def _malloc_trim() -> None:
         ctypes.CDLL(None).malloc_trim(0)
 
 
-def drop_every_kth(kv: Any, tokens: Sequence[int], k: int = 10) -> tuple[Any, list[int]]:
+def drop_every_kth(kv: Any, tokens: Sequence[int], k: int = 10, *,
+                   alloc: Callable[..., Any] | None = None) -> tuple[Any, list[int]]:
     """Drop tokens ``k-1, 2k-1, ...`` of ``kv`` (dim -2) and ``tokens``: W3's edit.
 
     The same result as ``lmcache_kv_fast.demo.drop_every_kth``, as one strided copy: the
     first ``T // k * k`` tokens viewed as ``[..., T // k, k, D]`` minus the last of each
     group, then the tail. ``index_select`` along dim -2 (the demo's way) costs ~10x more and
     is erratic on a loaded machine, which would make W3 measure torch instead of the SDKs.
+    The output comes from ``alloc(shape, dtype)`` when given (``batch.rewrite``'s pool of
+    warm buffers), else from ``torch.empty`` (fresh pages, as a plain loop gets them).
     """
     import torch
 
     t = kv.shape[-2]
     full = t // k * k
     groups = full // k
-    out = torch.empty((*kv.shape[:-2], t - t // k, kv.shape[-1]), dtype=kv.dtype)
+    shape = (*kv.shape[:-2], t - t // k, kv.shape[-1])
+    out = alloc(shape, kv.dtype) if alloc is not None else torch.empty(shape, dtype=kv.dtype)
     head = kv.narrow(-2, 0, full).unflatten(-2, (groups, k)).narrow(-2, 0, k - 1)
     out.narrow(-2, 0, groups * (k - 1)).unflatten(-2, (groups, k - 1)).copy_(head)
     out.narrow(-2, groups * (k - 1), t - full).copy_(kv.narrow(-2, full, t - full))
     return out, [tok for i, tok in enumerate(tokens) if (i + 1) % k]
 
 
-def drop_every_kth_index_select(kv: Any, tokens: Sequence[int], k: int = 10
+def drop_every_kth_index_select(kv: Any, tokens: Sequence[int], k: int = 10, *,
+                                alloc: Callable[..., Any] | None = None
                                 ) -> tuple[Any, list[int]]:
-    """``lmcache_kv_fast.demo.drop_every_kth`` verbatim (``--w3-edit index_select``)."""
+    """``lmcache_kv_fast.demo.drop_every_kth`` (``--w3-edit index_select``), ``alloc`` as above."""
     import torch
 
     keep = [i for i in range(len(tokens)) if (i + 1) % k != 0]
     index = torch.tensor(keep, dtype=torch.long)
-    return kv.index_select(-2, index).contiguous(), [tokens[i] for i in keep]
+    if alloc is None:
+        return kv.index_select(-2, index).contiguous(), [tokens[i] for i in keep]
+    out = alloc((*kv.shape[:-2], len(keep), kv.shape[-1]), kv.dtype)
+    return torch.index_select(kv, -2, index, out=out), [tokens[i] for i in keep]
 
 
 def _random_kv(shape: Sequence[int]) -> Any:
@@ -767,8 +778,14 @@ class _Worker:
             else drop_every_kth
         stages: dict[str, float] = {}
 
+        use_alloc = not self.spec.get("w3_no_alloc")
+
         def fn(kv: Any, toks: Sequence[int]) -> tuple[Any, list[int]]:
             return edit(kv, toks, s.w3_k)
+
+        def fn_alloc(kv: Any, toks: Sequence[int], *, alloc: Callable[..., Any]
+                     ) -> tuple[Any, list[int]]:
+            return edit(kv, toks, s.w3_k, alloc=alloc)
 
         def sequential() -> int:
             ok = 0
@@ -790,7 +807,7 @@ class _Worker:
         def batched() -> int:
             from lmcache_kv_fast import batch
 
-            rep = batch.rewrite(ctx, prompts, fn, progress=False)
+            rep = batch.rewrite(ctx, prompts, fn_alloc if use_alloc else fn, progress=False)
             stages.update(rep.stage_seconds)
             return rep.ok
 
@@ -1531,6 +1548,9 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--w3-drop-k", type=int)
     g.add_argument("--w3-edit", choices=["view", "index_select"], default="view",
                    help="W3's drop: one strided copy, or demo.drop_every_kth's index_select")
+    g.add_argument("--w3-no-alloc", action="store_true",
+                   help="W3's batch edit ignores rewrite's pooled output allocator (allocates "
+                        "fresh memory like the sequential loop)")
     g.add_argument("--w4-mib", type=float, help="W4 tensor size (rounded to whole chunks)")
     g.add_argument("--reps", type=int, help="timed reps of W1 ops")
     g.add_argument("--warmup", type=int, help="untimed warm-up reps")
@@ -1646,6 +1666,7 @@ def _main(args: argparse.Namespace, t_start: float) -> int:
         base_spec: dict[str, Any] = {
             "sizes": asdict(s), "threads": threads, "default_threads": default_threads,
             "workloads": workloads, "seed": 0, "models": shm.models, "w3_edit": args.w3_edit,
+            "w3_no_alloc": args.w3_no_alloc,
             "shm": {"url": shm.url, "http_url": shm.http_url, "segment": shm.segment,
                     "l1_gib": shm.l1_gib},
             "pickle": None if pick is None else {"url": pick.url, "http_url": pick.http_url,
@@ -1702,7 +1723,7 @@ def _main(args: argparse.Namespace, t_start: float) -> int:
     _print_header(machine, s, shm_l1=server_desc["shm"]["l1_gib"],
                   pick_l1=(server_desc["pickle"] or {}).get("l1_gib"), threads=threads,
                   infos=infos, server_version=server_desc["shm"].get("version"),
-                  w3_edit=args.w3_edit)
+                  w3_edit=args.w3_edit, w3_no_alloc=args.w3_no_alloc)
     print_table(rows, records)
     if any(o.startswith("W2") for (_p, o) in rows):
         print_latency(rows)
@@ -1738,7 +1759,8 @@ def _main(args: argparse.Namespace, t_start: float) -> int:
 
 def _print_header(machine: dict[str, Any], s: Sizes, *, shm_l1: float, pick_l1: float | None,
                   threads: Sequence[int], infos: Sequence[dict[str, Any]],
-                  server_version: str | None, w3_edit: str) -> None:
+                  server_version: str | None, w3_edit: str,
+                  w3_no_alloc: bool = False) -> None:
     print("\n== lmcache-kv-fast bench")
     print(f"machine: {machine.get('cpu', '?')}, {machine.get('usable_cores')} usable cores, "
           f"{machine.get('memory_gib')} GiB, THP {machine.get('thp', '?')}; python "
@@ -1747,7 +1769,8 @@ def _print_header(machine: dict[str, Any], s: Sizes, *, shm_l1: float, pick_l1: 
     print(f"W1 [2, {s.w1_layers}, {s.w1_tokens}, {HIDDEN}] bf16 = {s.w1_bytes / MiB:.0f} MiB, "
           f"{s.reps} reps + {s.warmup} warm-up; W2 [2, {s.w2_layers}, {s.chunk}, {HIDDEN}] = "
           f"{s.w2_bytes / MiB:.0f} MiB x {s.w2_ops} ops; W3 {s.w3_sequences} x {s.w3_tokens} "
-          f"tokens (drop every {s.w3_k}th by {w3_edit}), {s.w3_reps} reps + {s.w3_warmup} "
+          f"tokens (drop every {s.w3_k}th by {w3_edit}"
+          f"{', batch without alloc' if w3_no_alloc else ''}), {s.w3_reps} reps + {s.w3_warmup} "
           f"warm-up; W4 {s.w4_bytes / MiB:.0f} MiB x "
           f"{s.w4_reps}; L1: SHM {shm_l1:g} GiB, pickle {pick_l1 if pick_l1 is not None else '-'} "
           f"GiB; native copy threads {list(threads)}")

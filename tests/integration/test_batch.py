@@ -71,6 +71,69 @@ def test_rewrite_equals_sequential(small):
         assert torch.equal(ctx.retrieve(want_toks), want_kv[:, :, :n])
 
 
+@pytest.mark.parametrize("workers", [None, 1, 2, 3])
+def test_rewrite_with_alloc_equals_sequential_and_reuses_buffers(small, workers):
+    """fn(kv, tokens, *, alloc): the edit lands in pooled buffers that come back after each
+    store, so a long batch reuses a handful of buffers; results equal the sequential edit."""
+    m, ctx = small
+    toks = [rand_tokens(3 * C, seed=700 + i) for i in range(12)]
+    for i, t in enumerate(toks):
+        assert ctx.store(m.kv(3 * C, seed=800 + i), t)
+    seen: set[int] = set()
+
+    def fn(kv, t, *, alloc):
+        keep = [i for i in range(len(t)) if (i + 1) % 10]
+        out = alloc((*kv.shape[:-2], len(keep), kv.shape[-1]), kv.dtype)
+        assert out.is_contiguous() and out.dtype == kv.dtype
+        seen.add(out.data_ptr())
+        torch.index_select(kv, -2, torch.tensor(keep), out=out)
+        return out, [t[i] for i in keep]
+
+    rep = batch.rewrite(ctx, toks, fn, workers=workers, max_in_flight=3, progress=False)
+    assert rep.ok == 12 and rep.failed == 0, rep.summary()
+    assert 1 <= len(seen) <= 4  # <= max_in_flight + 1 buffers for 12 edits
+    for i, t in enumerate(toks):
+        want_kv, want_toks = drop_every_10th(m.kv(3 * C, seed=800 + i), t)
+        n = len(want_toks) // C * C
+        assert torch.equal(ctx.retrieve(want_toks), want_kv[:, :, :n])
+
+
+def test_rewrite_in_place_edit_returning_a_view_of_kv(small):
+    """fn may edit the retrieved buffer in place and return a (non-contiguous) view of it."""
+    m, ctx = small
+    toks = [rand_tokens(2 * C, seed=900 + i) for i in range(5)]
+    for i, t in enumerate(toks):
+        assert ctx.store(m.kv(2 * C, seed=950 + i), t)
+
+    def second_chunk_halved(kv, t):
+        kv[:, :, C:].mul_(0.5)
+        return kv[:, :, C:], t[C:]
+
+    rep = batch.rewrite(ctx, toks, second_chunk_halved, progress=False)
+    assert rep.ok == 5, rep.summary()
+    for i, t in enumerate(toks):
+        orig = m.kv(2 * C, seed=950 + i)
+        assert torch.equal(ctx.retrieve(t[C:]), orig[:, :, C:] * 0.5)
+        assert torch.equal(ctx.retrieve(t), orig)  # the cached original is untouched
+
+
+def test_rewrite_alloc_and_workers_errors(small):
+    m, ctx = small
+    toks = [rand_tokens(C, seed=990 + i) for i in range(3)]
+    for i, t in enumerate(toks):
+        assert ctx.store(m.kv(C, seed=995 + i), t)
+
+    def bad_alloc(kv, t, *, alloc):
+        return alloc((2, -1, 3), kv.dtype), t
+
+    rep = batch.rewrite(ctx, toks, bad_alloc, progress=False)
+    assert rep.failed == 3 and all(e.stage == "fn" and "negative dimension" in e.reason
+                                   for e in rep.errors)
+    for bad in (0, -1, 1.5, "2"):
+        with pytest.raises(lmc_sdk.KVCacheSDKError, match="workers must be a positive int"):
+            batch.rewrite(ctx, toks, drop_every_10th, workers=bad, progress=False)
+
+
 def test_rewrite_records_misses_failures_and_goes_on(small):
     m, ctx = small
     toks = [rand_tokens(2 * C, seed=500 + i) for i in range(6)]
