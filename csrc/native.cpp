@@ -293,6 +293,28 @@ PYBIND11_MODULE(_native, m) {
                                 to_i64(align, "align"));
           },
           "offsets"_a, "lengths"_a, "expected_nbytes"_a, "align"_a)
+      .def(
+          "populate_resident",
+          [](Mapping& self, py::handle offset, py::handle length) {
+            const uint64_t off = field(offset, "offset");
+            const uint64_t len = field(length, "length");
+            if (off > self.size() || len > self.size() - off) {
+              throw py::value_error("populate_resident: [" + std::to_string(off) + ", +" +
+                                    std::to_string(len) + ") outside the " +
+                                    std::to_string(self.size()) + "-byte segment");
+            }
+            self.pin();  // ValueError if closed; close() now waits for this call
+            uint64_t pages = 0;
+            {
+              py::gil_scoped_release nogil;
+              pages = self.populate_resident_range(off, len);
+            }
+            self.unpin();
+            return pages;
+          },
+          "offset"_a, "length"_a,
+          "Map the already-allocated pages of [offset, offset + length) (no fault on the "
+          "next copy into them); returns the pages mapped.")
       .def("close", &Mapping::close)
       .def("__enter__", [](Mapping& self) -> Mapping& { return self; },
            py::return_value_policy::reference)

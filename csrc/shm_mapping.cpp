@@ -222,6 +222,40 @@ bool Mapping::contains(uintptr_t addr, uint64_t n) const {
   return base_ != nullptr && addr >= b && n <= size_ && addr - b <= size_ - n;
 }
 
+uint64_t Mapping::populate_resident_range(uint64_t offset, uint64_t length) const {
+  if (base_ == nullptr || offset >= size_ || length == 0) return 0;
+  length = std::min(length, size_ - offset);
+  const uint64_t ps = page_size();
+  const uint64_t p0 = offset / ps;
+  const uint64_t p1 = (offset + length + ps - 1) / ps;
+  char* base = static_cast<char*>(base_);
+  std::vector<unsigned char> vec;
+  try {
+    vec.resize(static_cast<size_t>(p1 - p0));
+  } catch (...) {
+    return 0;
+  }
+  const uint64_t len = std::min(size_, p1 * ps) - p0 * ps;
+  if (mincore(base + p0 * ps, len, vec.data()) != 0) return 0;
+  uint64_t done = 0;
+  uint64_t run = p1;  // start of the current resident run, p1 = none
+  auto populate = [&](uint64_t first, uint64_t last) {
+    const uint64_t off = first * ps;
+    const uint64_t n = std::min(size_, last * ps) - off;
+    if (madvise(base + off, n, MADV_POPULATE_READ) == 0) done += last - first;
+  };
+  for (uint64_t p = p0; p < p1; ++p) {
+    const bool in = (vec[static_cast<size_t>(p - p0)] & 1) != 0;
+    if (in && run == p1) run = p;
+    if (!in && run != p1) {
+      populate(run, p);
+      run = p1;
+    }
+  }
+  if (run != p1) populate(run, p1);
+  return done;
+}
+
 bool Mapping::cold(uintptr_t addr, uint64_t n) const {
   if (base_ == nullptr || n == 0 || !contains(addr, n)) return false;
   const uint64_t ps = page_size();

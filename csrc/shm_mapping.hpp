@@ -72,6 +72,11 @@ class Mapping {
   // The open segment file (-1 once closed); valid while pinned.
   int fd() const { return fd_; }
 
+  // Map the pages of [offset, offset + length) that the segment already has (mincore +
+  // MADV_POPULATE_READ), so copies into them take no page fault. Call WITHOUT the GIL,
+  // pinned, with a range inside the mapping. Returns the pages populated; never throws.
+  uint64_t populate_resident_range(uint64_t offset, uint64_t length) const;
+
   // Keep the memory mapped while a copy runs (GIL held). ValueError if closed.
   void pin();
   void unpin();

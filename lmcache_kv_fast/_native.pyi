@@ -64,6 +64,15 @@ class Mapping:
             ValueError: Naming the first bad slot; or the mapping is closed.
             TypeError: A non-integer offset/length.
         """
+    def populate_resident(self, offset: int, length: int) -> int:
+        """Map the pages of ``[offset, offset + length)`` the segment already has.
+
+        Copies into them then take no page fault. Returns the pages mapped.
+
+        Raises:
+            ValueError: Range outside the segment, or the mapping is closed.
+        """
+
     def close(self) -> None:
         """Unmap (idempotent); deferred while a copy using the mapping runs."""
     def __enter__(self) -> Mapping: ...

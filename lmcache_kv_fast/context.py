@@ -949,9 +949,9 @@ class LMCacheKVCacheContext:
             return StoreResult(n * c, n, 0, n, 0)
         rid = self._rid("s")
         commits: list[PendingCall] = []
+        builder = self._frame_builder()
+        frames: list[bytearray] = []  # kept alive until the replies came (zero-copy sends)
         try:
-            builder = self._frame_builder()
-            frames = []  # kept alive until the replies came (zero-copy sends)
             for r in range(self.world_size):
                 key = self._key(toks, k0 * c, n * c, rid, salt, r)
                 backing, frame, offsets = builder.build(n - k0)
@@ -964,12 +964,17 @@ class LMCacheKVCacheContext:
                 commits.append(ch.send(Op.COMMIT_STORE, [key, self.instance_id], raw=[frame]))
         finally:
             ok = True
+            answered = 0
             for cm in commits:
                 try:
                     ok &= bool(ch.wait(cm, bool))
+                    answered += 1
                 except KVCacheSDKError as err:
                     ok = False
                     logger.warning("commit_store failed: %s", err)
+            if answered == len(commits) == len(frames):
+                for b in frames:  # the server has read them (zero-copy sends): reuse
+                    builder.release(b)
             self._end_session(ch, rid)
         k1 = self._settled_prefix(ch, toks, salt, n)
         present = min(k1, n)

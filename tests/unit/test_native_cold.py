@@ -177,3 +177,71 @@ def test_tensor_parallel_shard_into_cold_pages(segment: tuple[str, nb.NativeSegm
 def test_fraction_validation(bad: float) -> None:
     with pytest.raises(ValueError, match="cold write fraction"):
         _native.set_cold_write_fraction(bad)
+
+
+def _rss_shmem() -> int:
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith("RssShmem:"):
+                return int(line.split()[1]) * 1024
+    raise RuntimeError("no RssShmem")
+
+
+def _resident_segment(nbytes: int) -> str:
+    name = f"lmckv-bgpop-{os.getpid()}-{uuid.uuid4().hex[:10]}"
+    fd = os.open(f"/dev/shm/{name}", os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
+    try:
+        os.ftruncate(fd, nbytes)
+        chunk = b"\x01" * (1 << 20)
+        for off in range(0, nbytes // 2, 1 << 20):  # the first half gets pages
+            os.pwrite(fd, chunk, off)
+    finally:
+        os.close(fd)
+    return name
+
+
+def test_background_populate_maps_only_resident_pages() -> None:
+    size = 64 << 20
+    name = _resident_segment(size)
+    try:
+        before = _rss_shmem()
+        seg = nb.open_segment(name)  # returns at once; a thread maps the resident half
+        try:
+            assert seg.wait_populated(timeout=30)
+            grown = _rss_shmem() - before
+            assert size // 2 - (1 << 20) <= grown <= size // 2 + (4 << 20), grown
+            # and the mapping reads what the file holds
+            c = GEOM.chunk_nbytes
+            regions = seg.regions([_Slot(0, c)], c, 4096)
+            back = torch.zeros(2, 4, 64, 256, dtype=torch.bfloat16)
+            nb.gather(back, GEOM, [0], regions)
+            assert torch.equal(back.view(torch.uint8), torch.ones(c, dtype=torch.uint8).view(
+                2, 4, 64, 512))
+        finally:
+            seg.close()
+    finally:
+        os.unlink(f"/dev/shm/{name}")
+
+
+def test_close_while_populating_and_bad_ranges() -> None:
+    size = 256 << 20
+    name = _resident_segment(size)
+    try:
+        for _ in range(3):
+            seg = nb.open_segment(name)
+            seg.close()  # stops the populater between windows, then unmaps
+            assert seg.closed and seg.wait_populated(timeout=5)
+        m = _native.Mapping(name, None, "none")
+        try:
+            for off, ln in [(size + 1, 0), (0, size + 1), (size - 4096, 8192)]:
+                with pytest.raises(ValueError, match="outside"):
+                    m.populate_resident(off, ln)
+            assert m.populate_resident(0, 0) == 0
+            assert m.populate_resident(size // 2, size // 2) == 0  # no pages there
+            assert m.populate_resident(0, 1 << 20) == 256
+        finally:
+            m.close()
+        with pytest.raises(ValueError):
+            m.populate_resident(0, 4096)
+    finally:
+        os.unlink(f"/dev/shm/{name}")
