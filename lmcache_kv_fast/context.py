@@ -75,6 +75,8 @@ CONNECT_PROBE_TIMEOUT_S = 5.0
 RESTART_PROBE_TIMEOUT_S = 1.0
 #: Re-lookups after a store whose chunks were staged by another writer (seconds apart).
 SETTLE_DELAYS_S = (0.005, 0.02, 0.05)
+#: close() waits at most this long for acknowledgements of fired releases.
+SETTLE_ACKS_TIMEOUT_S = 1.0
 #: Seconds one ``wait_prefetch_status`` may block the server's normal pool.
 PREFETCH_WAIT_SLICE_S = 0.1
 
@@ -1085,9 +1087,11 @@ class LMCacheKVCacheContext:
         if self._hb_thread is not None and self._hb_thread is not threading.current_thread():
             self._hb_thread.join(timeout=2.0)
         zmq_client = self._zmq
-        if zmq_client is not None and drained and not zmq_client.closing:
+        if zmq_client is not None and drained and not zmq_client.closing and \
+                self._forgotten is None and not self._peer_lost:
             # Fired releases (end_session) reach the server before we unregister / close.
-            zmq_client.settle(min(self.timeout, CONNECT_PROBE_TIMEOUT_S))
+            # (A restarted or dead server never acknowledges them: then do not wait.)
+            zmq_client.settle(min(self.timeout, SETTLE_ACKS_TIMEOUT_S))
         if zmq_client is not None and self._registered and not zmq_client.closing and \
                 self._forgotten is None:
             if self._uncommitted:

@@ -114,6 +114,9 @@ class Channel:
         deadline = time.monotonic() + timeout
         with contextlib.suppress(zmq.ZMQError):
             while self._unacked:
+                if self.peer_lost():  # the server went away: those requests are lost
+                    self._unacked.clear()
+                    return False
                 remaining = deadline - time.monotonic()
                 if remaining <= 0:
                     return False
