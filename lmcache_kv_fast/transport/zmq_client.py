@@ -334,6 +334,7 @@ class ZmqClient:
             channels, self._channels = self._channels, []
         for ch in channels:
             ch.close()
+        self.zmq_context.term()
 
     def settle(self, timeout: float) -> bool:
         """Let every channel collect the acknowledgements of its fired calls.
@@ -347,7 +348,6 @@ class ZmqClient:
         for ch in channels:
             ok &= ch.settle(max(0.0, deadline - time.monotonic()))
         return ok
-        self.zmq_context.term()
 
 
 def _thread_alive(ident: int, ch: Channel) -> bool:
