@@ -151,6 +151,38 @@ Mapping::Mapping(const std::string& name, int64_t min_size, const std::string& p
   populate_seconds_ = seconds_since(t0);
 }
 
+namespace {
+
+// Call fn(first, last) for every run of pages [first, last) within [p0, p1) that the
+// file behind `base` (a mapping of `size` bytes) has in memory (mincore). Returns false
+// when the residency could not be read (nothing is called then). Never throws.
+template <typename Fn>
+bool for_each_resident_run(char* base, uint64_t size, uint64_t p0, uint64_t p1, Fn&& fn) {
+  if (p1 <= p0) return true;
+  const uint64_t ps = page_size();
+  std::vector<unsigned char> vec;
+  try {
+    vec.resize(static_cast<size_t>(p1 - p0));
+  } catch (...) {  // best effort: callers run on pool threads or without the GIL
+    return false;
+  }
+  const uint64_t len = std::min(size, p1 * ps) - p0 * ps;
+  if (mincore(base + p0 * ps, len, vec.data()) != 0) return false;
+  uint64_t run = p1;  // start of the current resident run, p1 = none
+  for (uint64_t p = p0; p < p1; ++p) {
+    const bool in = (vec[static_cast<size_t>(p - p0)] & 1) != 0;
+    if (in && run == p1) run = p;
+    if (!in && run != p1) {
+      fn(run, p);
+      run = p1;
+    }
+  }
+  if (run != p1) fn(run, p1);
+  return true;
+}
+
+}  // namespace
+
 void Mapping::prefault(Populate mode, uint64_t allocated) {
   populate_used_ = mode;
   if (mode == Populate::kNone || mode == Populate::kMapPopulate) return;
@@ -186,24 +218,7 @@ void Mapping::prefault(Populate mode, uint64_t allocated) {
       populate(p0, p1);
       return;
     }
-    std::vector<unsigned char> vec;
-    try {
-      vec.resize(static_cast<size_t>(p1 - p0));
-    } catch (...) {  // pre-faulting is best effort; never throw on a pool thread
-      return;
-    }
-    const uint64_t len = std::min(size_, p1 * ps) - p0 * ps;
-    if (mincore(base + p0 * ps, len, vec.data()) != 0) return;
-    uint64_t run = p1;  // start of the current resident run, p1 = none
-    for (uint64_t p = p0; p < p1; ++p) {
-      const bool in = (vec[static_cast<size_t>(p - p0)] & 1) != 0;
-      if (in && run == p1) run = p;
-      if (!in && run != p1) {
-        populate(run, p);
-        run = p1;
-      }
-    }
-    if (run != p1) populate(run, p1);
+    for_each_resident_run(base, size_, p0, p1, populate);
   });
 }
 
@@ -229,30 +244,12 @@ uint64_t Mapping::populate_resident_range(uint64_t offset, uint64_t length) cons
   const uint64_t p0 = offset / ps;
   const uint64_t p1 = (offset + length + ps - 1) / ps;
   char* base = static_cast<char*>(base_);
-  std::vector<unsigned char> vec;
-  try {
-    vec.resize(static_cast<size_t>(p1 - p0));
-  } catch (...) {
-    return 0;
-  }
-  const uint64_t len = std::min(size_, p1 * ps) - p0 * ps;
-  if (mincore(base + p0 * ps, len, vec.data()) != 0) return 0;
   uint64_t done = 0;
-  uint64_t run = p1;  // start of the current resident run, p1 = none
-  auto populate = [&](uint64_t first, uint64_t last) {
+  for_each_resident_run(base, size_, p0, p1, [&](uint64_t first, uint64_t last) {
     const uint64_t off = first * ps;
     const uint64_t n = std::min(size_, last * ps) - off;
     if (madvise(base + off, n, MADV_POPULATE_READ) == 0) done += last - first;
-  };
-  for (uint64_t p = p0; p < p1; ++p) {
-    const bool in = (vec[static_cast<size_t>(p - p0)] & 1) != 0;
-    if (in && run == p1) run = p;
-    if (!in && run != p1) {
-      populate(run, p);
-      run = p1;
-    }
-  }
-  if (run != p1) populate(run, p1);
+  });
   return done;
 }
 

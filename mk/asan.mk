@@ -11,7 +11,8 @@
 ASAN_PYTHON ?= $(abspath .venv/bin/python)
 ASAN_BUILD  ?= build/asan
 ASAN_STAGE  := $(ASAN_BUILD)/stage
-ASAN_TESTS  ?= tests/unit/test_copy_parity.py tests/unit/test_native_safety.py
+ASAN_TESTS  ?= tests/unit/test_copy_parity.py tests/unit/test_native_safety.py \
+               tests/unit/test_native_cold.py
 ASAN_LIBS    = $(shell g++ -print-file-name=libasan.so) $(shell g++ -print-file-name=libubsan.so)
 
 .PHONY: native-asan test-asan

@@ -9,7 +9,6 @@ mapping must see them at once, and resident regions must stay on the mapped path
 from __future__ import annotations
 
 import contextlib
-import ctypes
 import os
 import uuid
 from collections.abc import Iterator
@@ -23,10 +22,10 @@ pytest.importorskip("lmcache_kv_fast._native")
 from lmcache_kv_fast import _native
 from lmcache_kv_fast.copy import native_backend as nb
 from lmcache_kv_fast.copy.base import ChunkGeometry
+from lmcache_kv_fast.testing.benchmark import punch_segment
 
 GEOM = ChunkGeometry(2, 4, 64, 256, 2)  # 256 KiB chunks, bf16
 N_CHUNKS = 8
-_FALLOC_FL_KEEP_SIZE, _FALLOC_FL_PUNCH_HOLE = 0x01, 0x02
 
 
 @dataclass(frozen=True)
@@ -63,15 +62,7 @@ def _restore_fraction() -> Iterator[None]:
 
 
 def _punch(path: str) -> None:
-    libc = ctypes.CDLL(None, use_errno=True)
-    fd = os.open(path, os.O_RDWR)
-    try:
-        size = os.fstat(fd).st_size
-        rc = libc.fallocate(fd, _FALLOC_FL_PUNCH_HOLE | _FALLOC_FL_KEEP_SIZE,
-                            ctypes.c_long(0), ctypes.c_long(size))
-        assert rc == 0, os.strerror(ctypes.get_errno())
-    finally:
-        os.close(fd)
+    assert punch_segment(path), "fallocate(PUNCH_HOLE) failed"
 
 
 def _file_chunks(path: str) -> torch.Tensor:
