@@ -288,7 +288,10 @@ int CopyPlan::execute() const {
 namespace {
 
 // Write one FileWrite completely; 0 or errno. Retries EINTR and short writes.
+std::atomic<int> g_file_write_fault{0};
+
 int write_all(const FileWrite& w) {
+  if (const int fault = g_file_write_fault.load(std::memory_order_relaxed)) return fault;
   std::vector<iovec> iov(w.iov);
   size_t first = 0;
   uint64_t offset = w.offset;
@@ -315,6 +318,8 @@ int write_all(const FileWrite& w) {
 }
 
 }  // namespace
+
+void set_file_write_fault(int err) { g_file_write_fault.store(err); }
 
 int execute_with_files(const CopyPlan& mem, const std::vector<FileWrite>& files) {
   uint64_t file_bytes = 0;

@@ -93,4 +93,7 @@ struct FileWrite {
 // (the remaining writes are skipped; `mem` is still copied).
 int execute_with_files(const CopyPlan& mem, const std::vector<FileWrite>& files);
 
+// Fault injection for tests: every file write fails with `err` (0: off).
+void set_file_write_fault(int err);
+
 }  // namespace lmckv

@@ -60,6 +60,8 @@ std::atomic<double> g_cold_write_fraction{-1.0};
 std::atomic<uint64_t> g_stat_file_bytes{0};    // scattered into segments with pwritev
 std::atomic<uint64_t> g_stat_cold_mapped{0};   // scattered into cold pages via the mapping
 std::atomic<uint64_t> g_stat_cold_regions{0};  // regions found cold
+std::atomic<uint64_t> g_stat_file_fallbacks{0};  // scatters redone through the mapping
+std::atomic<bool> g_file_writes_disabled{false};  // a file write failed (not ENOSPC)
 
 // Throughputs measured on a 2-core VM (benches/bench_copy.py "cold" table): pwritev into
 // fresh tmpfs pages ~3 GB/s on the one thread the inode lock allows, faulting copies
@@ -97,6 +99,7 @@ bool scatter_cold_aware(const CopyPlan& plan, const std::vector<Mapping*>& owner
   if (n_cold == 0) return false;
   g_stat_cold_regions += n_cold;
   double frac = setting < 0 ? auto_cold_write_fraction(get_threads()) : std::min(setting, 1.0);
+  if (g_file_writes_disabled.load()) frac = 0.0;
   // Faulting a page into a full tmpfs raises SIGBUS; a write fails with ENOSPC instead.
   std::vector<Mapping*> seen;
   for (size_t j = 0; j < n && frac > 0.0; ++j) {
@@ -146,10 +149,18 @@ bool scatter_cold_aware(const CopyPlan& plan, const std::vector<Mapping*>& owner
   }
   g_stat_file_bytes += file_bytes;
   g_stat_cold_mapped += cold_mapped;
-  if (err != 0) {
+  if (err == ENOSPC || err == EDQUOT) {  // faulting those pages in would raise SIGBUS
     errno = err;
     PyErr_SetFromErrno(PyExc_OSError);
     throw py::error_already_set();
+  }
+  if (err != 0) {
+    // The file refuses writes (another file system, a policy): copy everything through
+    // the mapping instead, and stop trying files in this process.
+    g_file_writes_disabled.store(true);
+    g_stat_file_fallbacks += 1;
+    py::gil_scoped_release nogil;
+    plan.execute();
   }
   return true;
 }
@@ -394,8 +405,19 @@ PYBIND11_MODULE(_native, m) {
     d["file_write_bytes"] = g_stat_file_bytes.load();
     d["cold_mapped_bytes"] = g_stat_cold_mapped.load();
     d["cold_regions"] = g_stat_cold_regions.load();
+    d["file_write_fallbacks"] = g_stat_file_fallbacks.load();
+    d["file_writes_disabled"] = g_file_writes_disabled.load() ? 1 : 0;
     return d;
   });
+  m.def("_set_file_write_fault",
+        [](int err) {
+          if (err < 0) throw py::value_error("errno must be >= 0");
+          set_file_write_fault(err);
+          if (err == 0) g_file_writes_disabled.store(false);
+        },
+        "err"_a,
+        "Testing only: make every pwritev of a cold scatter fail with errno `err` (0: off, "
+        "which also re-enables file writes after a fallback).");
 
   m.def("result_pool_stats", &pool_stats);
   m.def("set_result_pool_limit",

@@ -163,7 +163,15 @@ def set_cold_write_fraction(fraction: float) -> None:
 
 def get_cold_write_fraction() -> float: ...
 def copy_stats() -> dict[str, int]:
-    """Process totals: ``file_write_bytes``, ``cold_mapped_bytes``, ``cold_regions``."""
+    """Process totals of the cold-store path.
+
+    Keys: ``file_write_bytes``, ``cold_mapped_bytes``, ``cold_regions``,
+    ``file_write_fallbacks`` (scatters redone through the mapping after a refused write)
+    and ``file_writes_disabled`` (1 once a write failed other than with ENOSPC/EDQUOT).
+    """
+
+def _set_file_write_fault(err: int) -> None:
+    """Testing only: every ``pwritev`` of a cold scatter fails with errno ``err`` (0: off)."""
 
 def config() -> dict[str, Any]:
     """Threads, thresholds, kernel, streaming ISA and usable CPUs."""

@@ -245,3 +245,26 @@ def test_client_sigkill_between_prepare_and_commit_is_reaped(fault_server: LMCac
         got = ctx.retrieve(toks)
         assert got is not None and torch.equal(got, kv)
     assert leftovers(srv) == left  # the new client left nothing of its own
+
+
+def test_store_into_a_full_dev_shm_is_an_error_not_a_crash() -> None:
+    """/dev/shm cannot give the pool a page (ENOSPC, injected at the pwritev the cold-store
+    path uses; a fault through the mapping would be SIGBUS): that store fails with a
+    KVCacheSDKError saying so; the process and the context go on."""
+    from lmcache_kv_fast import _native
+    from lmcache_kv_fast.testing.benchmark import punch_segment
+
+    with LMCacheServer(shm=True, l1_size_gb=0.0625) as srv:
+        m = make_model(srv, num_layers=4)
+        with lkf.connect(srv.url, srv.http_url, m.name, timeout=TIMEOUT) as ctx:
+            assert punch_segment(f"/dev/shm/{srv.pool_segment}")  # L1 empty: all pages fresh
+            try:
+                _native._set_file_write_fault(28)  # ENOSPC
+                with pytest.raises(lkf.KVCacheSDKError, match="full") as ei:
+                    ctx.store(m.kv(2 * C, seed=1), rand_tokens(2 * C, seed=1))
+                assert "/dev/shm/" in str(ei.value)
+            finally:
+                _native._set_file_write_fault(0)
+            toks = rand_tokens(2 * C, seed=2)
+            assert ctx.store(m.kv(2 * C, seed=2), toks)
+            assert torch.equal(ctx.retrieve(toks), m.kv(2 * C, seed=2))

@@ -9,6 +9,7 @@ mapping must see them at once, and resident regions must stay on the mapped path
 from __future__ import annotations
 
 import contextlib
+import errno
 import os
 import uuid
 from collections.abc import Iterator
@@ -236,3 +237,51 @@ def test_close_while_populating_and_bad_ranges() -> None:
             m.populate_resident(0, 4096)
     finally:
         os.unlink(f"/dev/shm/{name}")
+
+
+@pytest.fixture
+def _no_fault() -> Iterator[None]:
+    try:
+        yield
+    finally:
+        _native._set_file_write_fault(0)
+
+
+def test_file_write_failure_falls_back_to_the_mapping(
+        segment: tuple[str, nb.NativeSegment], _no_fault: None) -> None:
+    """A file system that refuses pwritev: the scatter is redone through the mapping,
+    exactly, and later scatters stop trying files."""
+    _, seg = segment
+    _native.set_cold_write_fraction(1.0)
+    c = GEOM.chunk_nbytes
+    regions = seg.regions([_Slot(i * c, c) for i in range(N_CHUNKS)], c, 4096)
+    _native._set_file_write_fault(errno.EINVAL)
+    kv = _kv(N_CHUNKS * 64, seed=8)
+    before = _native.copy_stats()
+    nb.scatter(kv, GEOM, range(N_CHUNKS), regions)
+    after = _native.copy_stats()
+    assert after["file_write_fallbacks"] == before["file_write_fallbacks"] + 1
+    assert after["file_writes_disabled"] == 1
+    back = torch.zeros_like(kv)
+    nb.gather(back, GEOM, range(N_CHUNKS), regions)
+    assert torch.equal(back, kv)
+    _punch(segment[0])
+    nb.scatter(kv, GEOM, range(N_CHUNKS), regions)  # cold again: no file write tried
+    assert _native.copy_stats()["file_write_bytes"] == after["file_write_bytes"]
+    _native._set_file_write_fault(0)
+    assert _native.copy_stats()["file_writes_disabled"] == 0
+
+
+def test_full_file_system_raises_enospc_instead_of_sigbus(
+        segment: tuple[str, nb.NativeSegment], _no_fault: None) -> None:
+    _, seg = segment
+    _native.set_cold_write_fraction(-1.0)
+    c = GEOM.chunk_nbytes
+    regions = seg.regions([_Slot(i * c, c) for i in range(N_CHUNKS)], c, 4096)
+    _native._set_file_write_fault(errno.ENOSPC)
+    with pytest.raises(OSError) as ei:
+        nb.scatter(_kv(N_CHUNKS * 64, seed=9), GEOM, range(N_CHUNKS), regions)
+    assert ei.value.errno == errno.ENOSPC
+    assert _native.copy_stats()["file_writes_disabled"] == 0  # ENOSPC does not disable
+    with pytest.raises(ValueError, match="errno"):
+        _native._set_file_write_fault(-1)
