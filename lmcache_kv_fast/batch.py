@@ -2,10 +2,13 @@
 
 Every item runs the ordinary context flows; a small pool of worker threads (each with its
 own DEALER socket, so several requests are in flight on the connection at once) overlaps
-the RPC round trips of some sequences with the copies and the user's ``fn`` of others.
-At most ``max_in_flight`` items are alive at any time, so memory stays bounded by
-``max_in_flight × largest KV`` whatever the batch length; retrieved KV can be read into a
-pool of reused buffers (no page faults on fresh memory).
+the RPC round trips of some sequences with the copies and the user's ``fn`` of others
+(``rewrite`` uses one worker on machines of <= 3 cores, where each sequence's copies and
+edit already use every core). At most ``max_in_flight`` items are alive at any time, so
+memory stays bounded by ``max_in_flight × largest KV`` whatever the batch length;
+retrieved KV is read into a pool of reused buffers, and an ``fn`` that accepts ``alloc``
+gets reused, pre-faulted output buffers too (no page faults on fresh memory, which
+otherwise cost more than a cheap edit).
 
 Errors of one item (miss, refused store, ``fn`` raising) are recorded in the
 :class:`BatchReport` with the item's index and reason; the batch goes on. A
