@@ -351,30 +351,24 @@ PYBIND11_MODULE(_native, m) {
                                {static_cast<py::ssize_t>(b.nbytes())}, {1}, false);
       });
 
-  m.def("scatter",
-        [](py::handle tensor_ptr, py::handle tensor_nbytes, py::handle shape,
-           py::handle itemsize, py::handle width, py::handle col_offset,
-           py::handle chunk_tokens, py::handle chunk_ids, py::handle region_addrs,
-           py::handle region_nbytes, py::handle owners) {
-          kv_copy(true, tensor_ptr, tensor_nbytes, shape, itemsize, width, col_offset,
-                  chunk_tokens, chunk_ids, region_addrs, region_nbytes, owners);
-        },
-        "tensor_ptr"_a, "tensor_nbytes"_a, "shape"_a, "itemsize"_a, "width"_a, "col_offset"_a,
-        "chunk_tokens"_a, "chunk_ids"_a, "region_addrs"_a, "region_nbytes"_a,
-        "owners"_a = py::none(),
-        "Copy chunk chunk_ids[j] of the [P, L, T, Dfull] tensor into region j.");
-  m.def("gather",
-        [](py::handle tensor_ptr, py::handle tensor_nbytes, py::handle shape,
-           py::handle itemsize, py::handle width, py::handle col_offset,
-           py::handle chunk_tokens, py::handle chunk_ids, py::handle region_addrs,
-           py::handle region_nbytes, py::handle owners) {
-          kv_copy(false, tensor_ptr, tensor_nbytes, shape, itemsize, width, col_offset,
-                  chunk_tokens, chunk_ids, region_addrs, region_nbytes, owners);
-        },
-        "tensor_ptr"_a, "tensor_nbytes"_a, "shape"_a, "itemsize"_a, "width"_a, "col_offset"_a,
-        "chunk_tokens"_a, "chunk_ids"_a, "region_addrs"_a, "region_nbytes"_a,
-        "owners"_a = py::none(),
-        "Copy region j into chunk chunk_ids[j] of the [P, L, T, Dfull] tensor.");
+  // scatter and gather share one signature; only the direction differs.
+  auto kv_binding = [](bool to_regions) {
+    return [to_regions](py::handle tensor_ptr, py::handle tensor_nbytes, py::handle shape,
+                        py::handle itemsize, py::handle width, py::handle col_offset,
+                        py::handle chunk_tokens, py::handle chunk_ids, py::handle region_addrs,
+                        py::handle region_nbytes, py::handle owners) {
+      kv_copy(to_regions, tensor_ptr, tensor_nbytes, shape, itemsize, width, col_offset,
+              chunk_tokens, chunk_ids, region_addrs, region_nbytes, owners);
+    };
+  };
+  for (const bool to_regions : {true, false}) {
+    m.def(to_regions ? "scatter" : "gather", kv_binding(to_regions), "tensor_ptr"_a,
+          "tensor_nbytes"_a, "shape"_a, "itemsize"_a, "width"_a, "col_offset"_a,
+          "chunk_tokens"_a, "chunk_ids"_a, "region_addrs"_a, "region_nbytes"_a,
+          "owners"_a = py::none(),
+          to_regions ? "Copy chunk chunk_ids[j] of the [P, L, T, Dfull] tensor into region j."
+                     : "Copy region j into chunk chunk_ids[j] of the [P, L, T, Dfull] tensor.");
+  }
   m.def("memcpy", &parallel_memcpy, "dst"_a, "src"_a, "n"_a,
         "Parallel copy of n bytes between raw addresses (UNCHECKED: the caller guarantees "
         "both ranges are valid).");

@@ -5,6 +5,7 @@ from __future__ import annotations
 import itertools
 import os
 import random
+import uuid
 from collections.abc import Iterator
 from dataclasses import dataclass
 
@@ -95,3 +96,17 @@ def model(server: LMCacheServer) -> Model:
 def rand_tokens(n: int, seed: int | None = None) -> list[int]:
     rng = random.Random(seed)
     return [rng.randrange(0, 2**31) for _ in range(n)]
+
+
+def create_shm_segment(size: int, tag: str = "test") -> str:
+    """Create ``/dev/shm/lmckv-<tag>-<pid>-<random>`` of ``size`` bytes (mode 0600).
+
+    Returns the bare segment name; the caller unlinks it.
+    """
+    name = f"lmckv-{tag}-{os.getpid()}-{uuid.uuid4().hex[:10]}"
+    fd = os.open(f"/dev/shm/{name}", os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
+    try:
+        os.ftruncate(fd, size)
+    finally:
+        os.close(fd)
+    return name

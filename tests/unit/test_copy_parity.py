@@ -12,12 +12,12 @@ from __future__ import annotations
 
 import os
 import random
-import uuid
 from collections.abc import Iterator
 from dataclasses import dataclass
 
 import pytest
 import torch
+from conftest import create_shm_segment
 
 pytest.importorskip("lmcache_kv_fast._native")
 
@@ -53,19 +53,9 @@ class Segments:
     torch: tb.TorchSegment
 
 
-def _create_segment(size: int) -> str:
-    name = f"lmckv-test-{os.getpid()}-{uuid.uuid4().hex[:10]}"
-    fd = os.open(f"/dev/shm/{name}", os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
-    try:
-        os.ftruncate(fd, size)
-    finally:
-        os.close(fd)
-    return name
-
-
 @pytest.fixture(scope="module")
 def segs() -> Iterator[Segments]:
-    name = _create_segment(SEGMENT_BYTES)
+    name = create_shm_segment(SEGMENT_BYTES, "parity")
     try:
         n = nb.open_segment(name)
         t = tb.open_segment(name)

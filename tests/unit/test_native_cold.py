@@ -11,12 +11,12 @@ from __future__ import annotations
 import contextlib
 import errno
 import os
-import uuid
 from collections.abc import Iterator
 from dataclasses import dataclass
 
 import pytest
 import torch
+from conftest import create_shm_segment
 
 pytest.importorskip("lmcache_kv_fast._native")
 
@@ -37,13 +37,8 @@ class _Slot:
 
 @pytest.fixture
 def segment() -> Iterator[tuple[str, nb.NativeSegment]]:
-    name = f"lmckv-cold-{os.getpid()}-{uuid.uuid4().hex[:10]}"
+    name = create_shm_segment(N_CHUNKS * GEOM.chunk_nbytes, "cold")
     path = f"/dev/shm/{name}"
-    fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
-    try:
-        os.ftruncate(fd, N_CHUNKS * GEOM.chunk_nbytes)
-    finally:
-        os.close(fd)
     seg = nb.open_segment(name)
     try:
         yield path, seg
@@ -180,10 +175,9 @@ def _rss_shmem() -> int:
 
 
 def _resident_segment(nbytes: int) -> str:
-    name = f"lmckv-bgpop-{os.getpid()}-{uuid.uuid4().hex[:10]}"
-    fd = os.open(f"/dev/shm/{name}", os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
+    name = create_shm_segment(nbytes, "bgpop")
+    fd = os.open(f"/dev/shm/{name}", os.O_RDWR)
     try:
-        os.ftruncate(fd, nbytes)
         chunk = b"\x01" * (1 << 20)
         for off in range(0, nbytes // 2, 1 << 20):  # the first half gets pages
             os.pwrite(fd, chunk, off)

@@ -23,6 +23,7 @@ from dataclasses import dataclass
 
 import pytest
 import torch
+from conftest import create_shm_segment
 
 pytest.importorskip("lmcache_kv_fast._native")
 
@@ -39,22 +40,12 @@ class _Slot:
     length: int
 
 
-def _create_segment(size: int) -> str:
-    name = f"lmckv-safety-{os.getpid()}-{uuid.uuid4().hex[:10]}"
-    fd = os.open(f"/dev/shm/{name}", os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
-    try:
-        os.ftruncate(fd, size)
-    finally:
-        os.close(fd)
-    return name
-
-
 @pytest.fixture
 def make_segment() -> Iterator[Callable[[int], str]]:
     created: list[str] = []
 
     def make(size: int = SEG_BYTES) -> str:
-        name = _create_segment(size)
+        name = create_shm_segment(size, "safety")
         created.append(name)
         return name
 
