@@ -495,6 +495,7 @@ class _Worker:
         self.out = Path(spec["out"])
         self.records: dict[tuple[str, str], dict[str, Any]] = {}
         self.notes: list[str] = []
+        self.phases: dict[str, Any] | None = None  # ctx.last_timing of the call just timed
         self.info: dict[str, Any] = {"worker": self.kind, "pid": os.getpid(),
                                      "torch_threads": torch.get_num_threads()}
         self.torch_default = torch.get_num_threads()
@@ -557,17 +558,23 @@ class _Worker:
                 self._backend.set_threads(v.threads)
 
     def record(self, path: str, op: str, nbytes: int, dt: float | None, note: str = "",
-               *, rep: int | None = None, during: str | None = None) -> dict[str, Any]:
-        """Add one sample (None: a failure); ``rep`` and ``during`` (the driven op) pair it."""
+               *, rep: int | None = None, during: str | None = None,
+               phases: dict[str, Any] | None = None) -> dict[str, Any]:
+        """Add one sample (None: a failure); ``rep`` and ``during`` (the driven op) pair it.
+
+        ``phases``: the SDK call's ``ctx.last_timing`` (this SDK's paths only).
+        """
         rec = self.records.setdefault((path, op), {"path": path, "op": op, "nbytes": nbytes,
                                                    "samples": [], "failures": 0, "note": "",
-                                                   "reps": [], "during": []})
+                                                   "reps": [], "during": [], "phases": []})
         if dt is None:
             rec["failures"] += 1
         else:
             rec["samples"].append(dt)
             rec["reps"].append(rep)
             rec["during"].append(during)
+            if phases is not None:
+                rec["phases"].append(phases)
         if note and not rec["note"]:
             rec["note"] = note
         return rec
@@ -621,6 +628,7 @@ class _Worker:
         for v in list(st.live):
             self.activate(v)
             op = ROOF_OP[st.op] if v.roofline else st.op
+            self.phases = None
             try:
                 dt = st.fn(v, i)
             except Exception as err:
@@ -632,7 +640,7 @@ class _Worker:
             if st.record and i >= st.warmup:
                 self.record(v.path, op, st.nbytes, dt,
                             "" if dt is not None else f"{op} reported a failure",
-                            rep=i - st.warmup, during=st.op)
+                            rep=i - st.warmup, during=st.op, phases=self.phases)
         self.activate(Variant("reset"))
 
     def end(self) -> None:
@@ -680,9 +688,15 @@ class _Worker:
             t0 = time.perf_counter()
             ok = ctx.store(src, toks)
             dt = time.perf_counter() - t0
+            self._take_phases(ctx)
             return dt if ok else None
 
         return store
+
+    def _take_phases(self, ctx: Any) -> None:
+        """Keep this SDK's phase breakdown of the call just timed (upstream has none)."""
+        timing = getattr(ctx, "last_timing", None)
+        self.phases = None if timing is None else timing.as_dict()
 
     def _retrieve_fn(self, op: str, model: str, src: Any, variants: Sequence[Variant]
                      ) -> Callable[[Variant], float | None]:
@@ -714,6 +728,7 @@ class _Worker:
             r = ctx.retrieve(seeded[v.server]) if out is None else \
                 ctx.retrieve(seeded[v.server], out=out)
             dt = time.perf_counter() - t0
+            self._take_phases(ctx)
             ok = r is not None and r.shape[-2] == tokens
             del r
             return dt if ok else None
@@ -1325,6 +1340,50 @@ def print_latency(rows: dict[tuple[str, str], Row], out: Any = None) -> None:
                   f"{r.p99 * 1e3:8.2f} {_fmt(ratio):>15s}", file=out)
 
 
+def phase_summary(records: dict[tuple[str, str], dict[str, Any]],
+                  default_threads: int) -> list[dict[str, Any]]:
+    """Median phases (``ctx.last_timing``) of this SDK's calls, per path and workload.
+
+    ``copy_x_roof`` is the roofline copy's median time over the call's median copy time
+    (1.0: the chunk copy runs as fast as a flat memcpy of the same bytes).
+    """
+    out: list[dict[str, Any]] = []
+    for op in OP_ORDER:
+        for path in _path_order([p for (p, o) in records if o == op]):
+            phases = records[(path, op)].get("phases") or []
+            if not phases:
+                continue
+            med = {k: statistics.median(ph[k] for ph in phases)
+                   for k in ("total_s", "wait_s", "copy_s", "client_s", "rpcs", "chunks")}
+            ref = roofline_ref(path, op, default_threads)
+            roof = records.get(ref) if ref else None
+            x_roof = None
+            if roof and roof["samples"] and med["copy_s"] > 0:
+                x_roof = statistics.median(roof["samples"]) / med["copy_s"]
+            out.append({"path": path, "op": op, "n": len(phases), **med, "copy_x_roof": x_roof})
+    return out
+
+
+def print_phases(phases: Sequence[dict[str, Any]], default_threads: int,
+                 out: Any = None) -> None:
+    """Print where the time of this SDK's calls goes (default-thread native and pickle)."""
+    out = out or sys.stdout
+    show = [p for p in phases if p["path"] in (kvf_native(default_threads), KVF_PICKLE)]
+    if not show:
+        return
+    hdr = (f"{'where the time goes':22s} {'path':22s} {'total ms':>9s} {'waits ms':>9s} "
+           f"{'rpcs':>5s} {'copy ms':>8s} {'client ms':>9s} {'copy x roof':>11s}")
+    print("\n" + hdr, file=out)
+    print("-" * len(hdr), file=out)
+    for p in show:
+        print(f"{p['op']:22s} {p['path']:22s} {p['total_s'] * 1e3:9.2f} "
+              f"{p['wait_s'] * 1e3:9.2f} {p['rpcs']:5.0f} {p['copy_s'] * 1e3:8.2f} "
+              f"{p['client_s'] * 1e3:9.2f} {_fmt(p['copy_x_roof']):>11s}", file=out)
+    print("medians of ctx.last_timing per call: waits = blocked on server replies (round "
+          "trips + the server's processing), copy = the chunk scatter/gather, client = the "
+          "rest; copy x roof = the flat-memcpy roofline's time / the copy's time", file=out)
+
+
 def ic_summary(ic: dict[str, dict[str, list[float]]]) -> dict[str, dict[str, float]]:
     """Min / median of each import + connect part."""
     out: dict[str, dict[str, float]] = {}
@@ -1727,6 +1786,8 @@ def _main(args: argparse.Namespace, t_start: float) -> int:
     print_table(rows, records)
     if any(o.startswith("W2") for (_p, o) in rows):
         print_latency(rows)
+    phases = phase_summary(records, default_threads)
+    print_phases(phases, default_threads)
     if ic:
         print_ic(ic)
     print_targets(targets)
@@ -1744,6 +1805,7 @@ def _main(args: argparse.Namespace, t_start: float) -> int:
             "servers": server_desc, "workers": infos, "args": vars(args),
             "records": list(records.values()),
             "summary": [{**asdict(r), "gbps": r.gbps} for r in rows.values()],
+            "phases": phases,
             "import_connect": {"samples": ic, "summary": ic_summary(ic)},
             "targets": [{**asdict(t), "status": t.status} for t in targets],
             "notes": notes, "errors": errors, "elapsed_s": elapsed,

@@ -70,6 +70,9 @@ class Channel:
         self.owner = threading.get_ident()
         #: A call timed out and nothing was received since (see UNRESPONSIVE_TIMEOUT_S).
         self.unresponsive = False
+        #: Seconds spent blocked in :meth:`wait` and the number of waits (for OpTiming).
+        self.wait_s = 0.0
+        self.waits = 0
 
     # -- sending ---------------------------------------------------------------------
     def send(self, op: Op, payloads: Sequence[Any] = (), *, raw: Sequence[bytes] = ()) -> PendingCall:
@@ -148,6 +151,7 @@ class Channel:
             timeout = UNRESPONSIVE_TIMEOUT_S
         deadline = time.monotonic() + timeout
         key = call.uid_frame
+        t0 = time.perf_counter()
         try:
             with self._client.active():
                 self._wait_for(call, key, timeout, deadline)
@@ -159,6 +163,8 @@ class Channel:
             ) from None
         finally:
             self._inflight.pop(key, None)
+            self.wait_s += time.perf_counter() - t0
+            self.waits += 1
         frames = self._parked.pop(key)
         if frames[1] != call.op_frame:
             raise ProtocolError(

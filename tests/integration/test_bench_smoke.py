@@ -103,6 +103,22 @@ def test_bench_quick_json(tmp_path: Path) -> None:
         for f in ("min", "median", "p90", "p99", "gbps"):
             assert math.isfinite(row[f]) and row[f] > 0, (key, f, row[f])
 
+    # where the time goes: this SDK's calls carry their ctx.last_timing, upstream's none
+    phases = {(p["path"], p["op"]): p for p in doc["phases"]}
+    for op in ("W1 store warm", "W1 retrieve warm", "W1 retrieve+out warm", "W2 store",
+               "W2 retrieve"):
+        ph = phases[(f"kvfast-native-{n}t", op)]
+        assert ph["n"] == len(records[(f"kvfast-native-{n}t", op)]["samples"])
+        assert ph["rpcs"] >= 2 and ph["chunks"] >= 1, ph
+        for f in ("total_s", "wait_s", "copy_s", "copy_x_roof"):
+            assert math.isfinite(ph[f]) and ph[f] > 0, (op, f, ph)
+        for one in records[(f"kvfast-native-{n}t", op)]["phases"]:
+            assert one["op"] in ("store", "retrieve") and one["client_s"] >= 0
+            assert one["wait_s"] + one["copy_s"] <= one["total_s"]
+    assert ("kvfast-pickle", "W4 store") in phases
+    assert not any(p.startswith("upstream") for (p, _o) in phases)
+    assert "where the time goes" in p.stdout
+
     ic = doc["import_connect"]["samples"]
     for kind in ("import torch", "kvfast import+connect", "upstream import+connect"):
         assert _positive(ic[kind]["import"]), kind

@@ -255,3 +255,40 @@ def test_thread_safety_stress(server):
     assert st["active_sessions"] == 0 and st["active_prefetch_jobs"] == 0
     l1 = st["storage_manager"]["l1_manager"]
     assert l1["read_locked_count"] == 0 and l1["write_locked_count"] == 0
+
+
+def test_last_timing_breaks_each_call_down(server):
+    """``ctx.last_timing``: per thread, per call; waits + copies + the rest = the call."""
+    name = unique_model_name("timing")
+    lay = KVLayout(num_layers=2, num_kv_heads=4, head_dim=64, dtype=torch.bfloat16)
+    toks = rand_tokens(3 * C, seed=11)
+    kv = torch.randn(2, 2, 3 * C, 256).bfloat16()
+    with lmc_sdk.connect(server.url, server.http_url, name, layout=lay) as ctx:
+        assert ctx.last_timing is None
+        t0 = time.perf_counter()
+        assert ctx.store(kv, toks)
+        outer = time.perf_counter() - t0
+        st = ctx.last_timing
+        assert st is not None and st.op == "store" and st.chunks == 3
+        assert 0 < st.total_s <= outer
+        assert st.rpcs >= 1 and st.wait_s > 0 and st.copy_s > 0
+        assert st.wait_s + st.copy_s <= st.total_s
+        assert st.client_s == pytest.approx(st.total_s - st.wait_s - st.copy_s)
+        assert ctx.lookup(toks) == 3 * C
+        lk = ctx.last_timing
+        assert lk.op == "lookup" and lk.copy_s == 0 and lk.chunks == 0 and lk.rpcs >= 2
+        out = torch.zeros_like(kv)
+        ctx.retrieve(toks, out=out)
+        assert torch.equal(out, kv)
+        rt = ctx.last_timing
+        assert rt.op == "retrieve" and rt.chunks == 3 and rt.copy_s > 0
+        assert rt.rpcs >= 3  # lookup, wait, prepare (+ commit on SHM)
+        assert set(rt.as_dict()) == {"op", "total_s", "wait_s", "copy_s", "client_s",
+                                     "rpcs", "chunks"}
+        assert ctx.retrieve(rand_tokens(C, seed=12)) is None  # a miss moves nothing
+        assert ctx.last_timing.chunks == 0 and ctx.last_timing.copy_s == 0
+        seen: list[object] = []
+        th = threading.Thread(target=lambda: seen.append(ctx.last_timing))
+        th.start()
+        th.join()
+        assert seen == [None]  # another thread has its own
