@@ -25,7 +25,7 @@ import sys
 import threading
 import time
 import warnings
-from collections.abc import Iterator, Sequence
+from collections.abc import Hashable, Iterator, Sequence
 from dataclasses import dataclass
 from types import ModuleType
 from typing import Annotated, Any
@@ -66,6 +66,7 @@ from lmcache_kv_fast.protocol.types import (
     RegisterEngineDrivenContextResponse,
 )
 from lmcache_kv_fast.transport.http import HttpInfoClient
+from lmcache_kv_fast.transport.releases import DeferredReleases
 from lmcache_kv_fast.transport.zmq_client import Channel, PendingCall, ZmqClient
 
 logger = logging.getLogger(__name__)
@@ -78,6 +79,8 @@ RESTART_PROBE_TIMEOUT_S = 1.0
 SETTLE_DELAYS_S = (0.005, 0.02, 0.05)
 #: close() waits at most this long for acknowledgements of fired releases.
 SETTLE_ACKS_TIMEOUT_S = 1.0
+#: The background thread collects deferred release acknowledgements this often.
+RELEASE_COLLECT_S = 0.01
 #: Seconds one ``wait_prefetch_status`` may block the server's normal pool.
 PREFETCH_WAIT_SLICE_S = 0.1
 
@@ -126,6 +129,8 @@ class OpTiming:
             server).
         copy_s: Time in the data plane's copies (scatter into / gather out of the SHM pool,
             or into / out of pickle-plane frames).
+        alloc_s: Time allocating the result of a retrieve without ``out`` (fresh memory is
+            mapped and faulted in here; a reused pooled buffer costs microseconds).
         rpcs: Replies waited for (fired releases such as ``end_session`` not counted).
         chunks: Whole chunks the call moved (0 for a lookup or a miss).
     """
@@ -134,19 +139,20 @@ class OpTiming:
     total_s: float
     wait_s: float
     copy_s: float
+    alloc_s: float
     rpcs: int
     chunks: int
 
     @property
     def client_s(self) -> float:
         """The rest: argument checks, encoding, decoding, layout of frames, Python."""
-        return max(0.0, self.total_s - self.wait_s - self.copy_s)
+        return max(0.0, self.total_s - self.wait_s - self.copy_s - self.alloc_s)
 
     def as_dict(self) -> dict[str, Any]:
         """Plain dict (for JSON), with ``client_s``."""
         return {"op": self.op, "total_s": self.total_s, "wait_s": self.wait_s,
-                "copy_s": self.copy_s, "client_s": self.client_s, "rpcs": self.rpcs,
-                "chunks": self.chunks}
+                "copy_s": self.copy_s, "alloc_s": self.alloc_s, "client_s": self.client_s,
+                "rpcs": self.rpcs, "chunks": self.chunks}
 
 
 def _is_tensor_like(x: Any) -> bool:
@@ -293,6 +299,11 @@ class LMCacheKVCacheContext:
         self._ops_cv = threading.Condition()
         self._hb_stop = threading.Event()
         self._hb_thread: threading.Thread | None = None
+        self._hb_interval: float | None = None
+        self._bg_wake = threading.Event()
+        self._bg_mutex = threading.Lock()
+        #: Retrieve commits sent without waiting (created on the first retrieve).
+        self._releases: DeferredReleases | None = None
         self._rid_counter = itertools.count()
         self._tls = threading.local()  # per-call request_configs of the calling thread
         self._key_locks: dict[tuple[str, tuple[int, ...]], list[Any]] = {}
@@ -512,7 +523,7 @@ class LMCacheKVCacheContext:
                 self._check_registration()
             w0, n0 = ch.wait_s, ch.waits
             tls = self._tls
-            tls.copy_s, tls.chunks = 0.0, 0
+            tls.copy_s, tls.alloc_s, tls.chunks = 0.0, 0.0, 0
             try:
                 yield ch
             except ServerTimeoutError as err:
@@ -523,7 +534,7 @@ class LMCacheKVCacheContext:
             finally:
                 if name:
                     tls.timing = OpTiming(name, time.perf_counter() - t0, ch.wait_s - w0,
-                                          tls.copy_s, ch.waits - n0, tls.chunks)
+                                          tls.copy_s, tls.alloc_s, ch.waits - n0, tls.chunks)
         finally:
             self._tls.request_configs = None
             with self._ops_cv:
@@ -564,12 +575,14 @@ class LMCacheKVCacheContext:
         return None
 
     @contextlib.contextmanager
-    def _same_key(self, salt: str, toks: list[int]) -> Iterator[None]:
-        """Serialize prepare→commit of identical keys within this instance.
+    def _same_key(self, salt: str, toks: list[int]) -> Iterator[Hashable]:
+        """Serialize prepare→commit of identical keys within this instance; yield the key.
 
         The server keys pending transfers by ``(instance_id, key)`` ignoring the request id
         (doc §3.4): two concurrent identical operations of one instance would overwrite each
         other's pending entry and leak read locks or staged slots. Different keys never wait.
+        A retrieve's commit is not awaited (DeferredReleases): an identical operation
+        waits for its acknowledgement here, under the key's lock.
         """
         k = (salt, tuple(toks))
         with self._key_locks_mutex:
@@ -579,7 +592,10 @@ class LMCacheKVCacheContext:
             entry[1] += 1
         try:
             with entry[0]:
-                yield
+                rel = self._releases
+                if rel is not None and rel.busy(k):
+                    rel.wait_key(k, self.timeout)
+                yield k
         finally:
             with self._key_locks_mutex:
                 entry[1] -= 1
@@ -809,28 +825,32 @@ class LMCacheKVCacheContext:
         rc = check_request_configs(request_configs)
         with self._op(rc, name="retrieve", t0=t0) as ch:
             rid = self._rid("r")
-            pending: list[PendingCall] = []
+            commits: list[list[Any]] = []
             try:
                 n = self._lookup_chunks(ch, toks, rid, salt)
                 if n == 0:
                     return None
                 hit_toks = toks[: n * self._chunk_size]
-                with self._same_key(salt, hit_toks):
+                with self._same_key(salt, hit_toks) as key:
                     try:
-                        return self._fetch(ch, hit_toks, rid, salt, n, out, pending)
+                        return self._fetch(ch, hit_toks, rid, salt, n, out, commits)
                     finally:
-                        for c in pending:
-                            self._wait_quiet(ch, c)
-                        pending.clear()
+                        if commits:  # still under the key's lock: see _same_key
+                            self._release_reads(commits, rid, key)
             finally:
-                # commit_retrieve (affinity pool) touches the session, so end it afterwards
-                for c in pending:
-                    self._wait_quiet(ch, c)
-                self._end_session(ch, rid)
+                # commit_retrieve (affinity pool) touches the session: with commits, the
+                # session ends once they were acknowledged (DeferredReleases)
+                if not commits:
+                    self._end_session(ch, rid)
 
     def _fetch(self, ch: Channel, toks: list[int], rid: str, salt: str, n: int,
-               out: torch.Tensor | None, pending: list[PendingCall]) -> torch.Tensor | None:
-        """prepare_retrieve every shard, gather, commit; release locks on every path."""
+               out: torch.Tensor | None, commits: list[list[Any]]) -> torch.Tensor | None:
+        """prepare_retrieve every shard, gather; release locks on every path.
+
+        The ``commit_retrieve`` payloads of the shards read are appended to ``commits``
+        (the caller sends them, see :meth:`_release_reads`); the lookup locks of shards not
+        read are freed here.
+        """
         hit = n * self._chunk_size
         ws = self.world_size
         ranks = [0] if self.layout.planes == 1 else list(range(ws))
@@ -850,8 +870,12 @@ class LMCacheKVCacheContext:
         result: torch.Tensor | None = None
         try:
             if ok:
-                dst = out if out is not None else self._backend.alloc_result(
-                    self.kv_shape(hit), self._dtype)
+                if out is not None:
+                    dst = out
+                else:
+                    ta = time.perf_counter()
+                    dst = self._backend.alloc_result(self.kv_shape(hit), self._dtype)
+                    self._tls.alloc_s = time.perf_counter() - ta
                 for r in ranks:
                     regions = self._retrieve_regions(resps[r], n, "prepare_retrieve")
                     self._copy(self._backend.gather, dst, range(n), regions,
@@ -862,10 +886,19 @@ class LMCacheKVCacheContext:
             # SHM: commit releases the read lock of each object read; pickle: no-op.
             for r in range(ws):
                 if r in resps and resps[r].success:
-                    pending.append(ch.send(Op.COMMIT_RETRIEVE, [keys[r], self.instance_id]))
+                    commits.append([keys[r], self.instance_id])
                 else:
                     self._free_locks(ch, keys[r], r)
         return result
+
+    def _release_reads(self, commits: list[list[Any]], rid: str, same_key: Hashable) -> None:
+        """Send the commits of a retrieve without waiting; its session ends after them."""
+        rel = self._releases
+        if rel is None:
+            assert self._zmq is not None
+            rel = self._releases = DeferredReleases(self._zmq, self._wake_background)
+            self._ensure_background()
+        rel.commit(commits, rid, same_key)
 
     def _retrieve_regions(self, resp: PrepareRetrieveResponse, n: int, what: str) -> list[Region]:
         if self._shm is not None and not resp.data:
@@ -1092,14 +1125,23 @@ class LMCacheKVCacheContext:
 
     # ------------------------------------------------------------------ liveness
     def _start_heartbeat(self) -> None:
-        interval = self._heartbeat_interval()
-        if interval is None:
-            return
-        self._hb_thread = threading.Thread(
-            target=self._heartbeat, args=(interval,), name=f"lmcache-kv-fast-ping-{self.instance_id:x}",
-            daemon=True,
-        )
-        self._hb_thread.start()
+        self._hb_interval = self._heartbeat_interval()
+        if self._hb_interval is not None:
+            self._ensure_background()
+
+    def _ensure_background(self) -> None:
+        """Start the context's background thread (pings, release acknowledgements) once."""
+        with self._bg_mutex:
+            if self._hb_thread is not None or self._hb_stop.is_set():
+                return
+            self._hb_thread = threading.Thread(
+                target=self._background, name=f"lmcache-kv-fast-bg-{self.instance_id:x}",
+                daemon=True,
+            )
+            self._hb_thread.start()
+
+    def _wake_background(self) -> None:
+        self._bg_wake.set()
 
     def _heartbeat_interval(self) -> float | None:
         try:
@@ -1111,14 +1153,38 @@ class LMCacheKVCacheContext:
             return None
         return max(1.0, min(reap / 4.0, 30.0))
 
-    def _heartbeat(self, interval: float) -> None:
+    def _background(self) -> None:
+        """Ping for liveness every interval; collect deferred release acknowledgements.
+
+        Acknowledgements are collected ``RELEASE_COLLECT_S`` after releases became pending
+        (so a retrieve's session ends promptly even when the caller goes idle); callers
+        collect them too, whenever they send new ones.
+        """
         zmq_client = self._zmq
         if zmq_client is None:
             return
+        interval = self._hb_interval
+        next_ping = time.monotonic() + interval if interval is not None else math.inf
         try:
-            ch = zmq_client.channel()
-            while not self._hb_stop.wait(interval):
+            ch: Channel | None = None
+            while True:
+                rel = self._releases
+                busy = rel is not None and rel.pending()
+                timeout = next_ping - time.monotonic()
+                if busy:
+                    timeout = min(timeout, RELEASE_COLLECT_S)
+                if timeout > 0:
+                    self._bg_wake.wait(None if math.isinf(timeout) else timeout)
+                    self._bg_wake.clear()
+                if self._hb_stop.is_set():
+                    return
+                if busy and rel is not None:
+                    rel.collect()
+                if interval is None or time.monotonic() < next_ping:
+                    continue
+                next_ping = time.monotonic() + interval
                 try:
+                    ch = ch or zmq_client.channel()
                     ch.call(Op.PING, [self.instance_id], None, min(self.timeout, interval))
                 except ContextClosedError:
                     return
@@ -1140,6 +1206,8 @@ class LMCacheKVCacheContext:
             logger.debug("LMCache %s has no unforced clear; clearing locked objects too",
                          self.server_version)
         with self._op() as ch:
+            if self._releases is not None:  # read locks of finished retrieves: gone first
+                self._releases.settle(self.timeout)
             ch.call(Op.CLEAR, [bool(force)] if gen.clear_takes_force else [], None)
 
     def ping(self) -> bool:
@@ -1167,15 +1235,20 @@ class LMCacheKVCacheContext:
         self._teardown(drained)
 
     def _teardown(self, drained: bool = True) -> None:
-        self._hb_stop.set()
+        with self._bg_mutex:
+            self._hb_stop.set()
+        self._bg_wake.set()
         if self._hb_thread is not None and self._hb_thread is not threading.current_thread():
             self._hb_thread.join(timeout=2.0)
         zmq_client = self._zmq
         if zmq_client is not None and drained and not zmq_client.closing and \
                 self._forgotten is None and not self._peer_lost:
-            # Fired releases (end_session) reach the server before we unregister / close.
-            # (A restarted or dead server never acknowledges them: then do not wait.)
-            zmq_client.settle(min(self.timeout, SETTLE_ACKS_TIMEOUT_S))
+            # Fired releases (commits, end_session) reach the server before we unregister /
+            # close. (A restarted or dead server never acknowledges them: then do not wait.)
+            budget = min(self.timeout, SETTLE_ACKS_TIMEOUT_S)
+            if self._releases is not None:
+                self._releases.settle(budget)
+            zmq_client.settle(budget)
         if zmq_client is not None and self._registered and not zmq_client.closing and \
                 self._forgotten is None:
             if self._uncommitted:

@@ -1354,7 +1354,8 @@ def phase_summary(records: dict[tuple[str, str], dict[str, Any]],
             if not phases:
                 continue
             med = {k: statistics.median(ph[k] for ph in phases)
-                   for k in ("total_s", "wait_s", "copy_s", "client_s", "rpcs", "chunks")}
+                   for k in ("total_s", "wait_s", "copy_s", "alloc_s", "client_s", "rpcs",
+                             "chunks")}
             ref = roofline_ref(path, op, default_threads)
             roof = records.get(ref) if ref else None
             x_roof = None
@@ -1372,15 +1373,18 @@ def print_phases(phases: Sequence[dict[str, Any]], default_threads: int,
     if not show:
         return
     hdr = (f"{'where the time goes':22s} {'path':22s} {'total ms':>9s} {'waits ms':>9s} "
-           f"{'rpcs':>5s} {'copy ms':>8s} {'client ms':>9s} {'copy x roof':>11s}")
+           f"{'rpcs':>5s} {'copy ms':>8s} {'alloc ms':>8s} {'client ms':>9s} "
+           f"{'copy x roof':>11s}")
     print("\n" + hdr, file=out)
     print("-" * len(hdr), file=out)
     for p in show:
         print(f"{p['op']:22s} {p['path']:22s} {p['total_s'] * 1e3:9.2f} "
               f"{p['wait_s'] * 1e3:9.2f} {p['rpcs']:5.0f} {p['copy_s'] * 1e3:8.2f} "
-              f"{p['client_s'] * 1e3:9.2f} {_fmt(p['copy_x_roof']):>11s}", file=out)
+              f"{p['alloc_s'] * 1e3:8.2f} {p['client_s'] * 1e3:9.2f} "
+              f"{_fmt(p['copy_x_roof']):>11s}", file=out)
     print("medians of ctx.last_timing per call: waits = blocked on server replies (round "
-          "trips + the server's processing), copy = the chunk scatter/gather, client = the "
+          "trips + the server's processing; a retrieve's commit is not awaited), copy = the "
+          "chunk scatter/gather, alloc = a drop-in retrieve's result buffer, client = the "
           "rest; copy x roof = the flat-memcpy roofline's time / the copy's time", file=out)
 
 

@@ -286,9 +286,11 @@ class LMCacheServer:
     def settled_status(self, timeout: float = 2.0) -> dict[str, Any]:
         """``GET /status`` once no session, prefetch job or lock is left (or ``timeout``).
 
-        The SDK does not wait for the acknowledgement of ``end_session`` (it is sent last,
-        after the data moved), so the server may still be processing it for a millisecond
-        after a call returns. A real leak stays and shows in the returned status.
+        The SDK does not wait for the acknowledgements of a retrieve's ``commit_retrieve``
+        and ``end_session`` (sent after the data moved; the end follows the commit's
+        acknowledgement, collected within ~10 ms), so the server may still be processing
+        them for a few milliseconds after a call returns. A real leak stays and shows in
+        the returned status.
         """
         deadline = time.monotonic() + timeout
         while True:

@@ -15,7 +15,7 @@ import logging
 import os
 import threading
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -54,7 +54,7 @@ class PendingCall:
 class Channel:
     """One DEALER socket, used by one thread only."""
 
-    def __init__(self, client: ZmqClient) -> None:
+    def __init__(self, client: ZmqClient, *, bound: bool = True) -> None:
         self._client = client
         self.sock: zmq.Socket = client.zmq_context.socket(zmq.DEALER)
         self.sock.setsockopt(zmq.LINGER, 0)
@@ -67,7 +67,10 @@ class Channel:
         self._parked: dict[bytes, list[Any]] = {}
         #: Fired calls (see fire()) whose acknowledgement has not arrived yet.
         self._unacked: dict[bytes, PendingCall] = {}
-        self.owner = threading.get_ident()
+        #: Callbacks of fired calls, run (on the draining thread) when their reply arrives.
+        self._on_ack: dict[bytes, Callable[[bytes], None]] = {}
+        #: Thread that owns this channel (0: not bound to a thread, see new_channel()).
+        self.owner = threading.get_ident() if bound else 0
         #: A call timed out and nothing was received since (see UNRESPONSIVE_TIMEOUT_S).
         self.unresponsive = False
         #: Seconds spent blocked in :meth:`wait` and the number of waits (for OpTiming).
@@ -102,15 +105,43 @@ class Channel:
             self.sock.send_multipart(frames, copy=len(frames[-1]) < 65536)
         return call
 
-    def fire(self, op: Op, payloads: Sequence[Any] = ()) -> None:
+    def fire(self, op: Op, payloads: Sequence[Any] = (), *,
+             on_ack: Callable[[bytes], None] | None = None) -> bytes:
         """Send a request whose reply nobody waits for (a release such as ``end_session``).
 
         The reply is consumed whenever this channel next receives; :meth:`settle` waits
         for the outstanding ones (before the socket closes, so nothing is lost).
+
+        Args:
+            op: The operation.
+            payloads: Its payloads.
+            on_ack: Called with the call's uid frame when the reply is consumed (on the
+                thread that receives it).
+
+        Returns:
+            The call's uid frame.
         """
         call = self.send(op, payloads)
         self._inflight.pop(call.uid_frame, None)
         self._unacked[call.uid_frame] = call
+        if on_ack is not None:
+            self._on_ack[call.uid_frame] = on_ack
+        return call.uid_frame
+
+    @property
+    def unacked(self) -> int:
+        """Fired calls whose reply has not arrived yet."""
+        return len(self._unacked)
+
+    def collect(self, timeout_ms: int = 0) -> None:
+        """Consume the replies that arrived (waiting up to ``timeout_ms`` for the first)."""
+        if self.sock.poll(timeout_ms, zmq.POLLIN):
+            self._drain()
+
+    def forget_unacked(self) -> None:
+        """Drop every fired call (their requests were lost with the connection)."""
+        self._unacked.clear()
+        self._on_ack.clear()
 
     def settle(self, timeout: float) -> bool:
         """Wait up to ``timeout`` seconds for the replies of fired calls; True when none is left."""
@@ -118,7 +149,7 @@ class Channel:
         with contextlib.suppress(zmq.ZMQError):
             while self._unacked:
                 if self.peer_lost():  # the server went away: those requests are lost
-                    self._unacked.clear()
+                    self.forget_unacked()
                     return False
                 remaining = deadline - time.monotonic()
                 if remaining <= 0:
@@ -206,6 +237,9 @@ class Channel:
             self.unresponsive = False  # the server is alive (even a late reply says so)
             uid_frame = frames[0].bytes if frames else b""
             if self._unacked.pop(uid_frame, None) is not None:
+                cb = self._on_ack.pop(uid_frame, None)
+                if cb is not None:
+                    cb(uid_frame)
                 continue  # the acknowledgement of a fired call
             if uid_frame not in self._inflight:
                 logger.debug("dropping a reply for unknown or timed-out uid %r", uid_frame[:16])
@@ -298,14 +332,15 @@ class ZmqClient:
             ch = Channel(self)
             self._local.channel = ch
             with self._lock:
-                self._channels = [c for c in self._channels if _thread_alive(c.owner, c)]
+                self._channels = [c for c in self._channels
+                                  if not c.owner or _thread_alive(c.owner, c)]
                 self._channels.append(ch)
         return ch
 
     def new_channel(self) -> Channel:
-        """Return a fresh channel not bound to the thread (for streams and pingers)."""
+        """Return a fresh channel not bound to a thread (its user serialises access)."""
         self.check_open()
-        ch = Channel(self)
+        ch = Channel(self, bound=False)
         with self._lock:
             self._channels.append(ch)
         return ch

@@ -149,7 +149,12 @@ def test_retrieve_refuses_bad_slots(shm_peer: FakePeer, case: str) -> None:
         assert time.monotonic() - t0 < TIMEOUT
         assert torch.equal(_bits(out), before_out), "out was written before the refusal"
         assert p.segment_bytes() == before_seg
-        # locks released even on refusal (commit, or free_lookup_locks if undecodable)
+        # locks released even on refusal (commit, or free_lookup_locks if undecodable); the
+        # commit is sent without waiting for its reply, on the context's release socket
+        deadline = time.monotonic() + 2.0
+        while not {"commit_retrieve", "free_lookup_locks"} & set(p.ops()[-3:]) and \
+                time.monotonic() < deadline:
+            time.sleep(0.005)
         assert {"commit_retrieve", "free_lookup_locks"} & set(p.ops()[-3:])
         got = ctx.retrieve(toks)  # the client keeps working
         assert got is not None and torch.equal(_bits(got), _bits(kv))
