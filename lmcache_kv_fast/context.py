@@ -3,8 +3,9 @@
 Flows (protocol doc §1, §3), every request on the calling thread's own DEALER socket:
 
 * retrieve: ``lookup`` → ``wait_prefetch_status`` → ``prepare_retrieve`` (one per shard) →
-  gather → ``commit_retrieve`` (+ ``end_session``, pipelined). Locks of shards that were
-  not read are released with ``free_lookup_locks`` on every failure path (doc §11 #14).
+  gather → ``commit_retrieve`` → ``end_session``, the last two sent without waiting for
+  their replies (``transport/releases.py``). Locks of shards that were not read are
+  released with ``free_lookup_locks`` on every failure path (doc §11 #14).
 * store: ``prepare_store`` (one per shard) → scatter → ``commit_store`` (+ ``end_session``),
   or on the pickle plane a single ``commit_store`` with the pickled chunks. When some
   chunk got no slot, a lookup tells "already cached" from "L1 full" (doc §11 #10).
@@ -131,7 +132,8 @@ class OpTiming:
             or into / out of pickle-plane frames).
         alloc_s: Time allocating the result of a retrieve without ``out`` (fresh memory is
             mapped and faulted in here; a reused pooled buffer costs microseconds).
-        rpcs: Replies waited for (fired releases such as ``end_session`` not counted).
+        rpcs: Replies waited for (releases sent without waiting, a retrieve's
+            ``commit_retrieve`` and ``end_session``, not counted).
         chunks: Whole chunks the call moved (0 for a lookup or a miss).
     """
 
