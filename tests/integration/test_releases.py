@@ -44,6 +44,9 @@ def test_idle_after_retrieve_leaves_nothing(server, model, heartbeat):
         while rel.pending() and time.monotonic() < deadline:
             time.sleep(0.005)
         assert not rel.pending()
+        bg = ctx._hb_thread
+        assert bg is not None and bg.is_alive()  # started lazily without the heartbeat too
+    assert not bg.is_alive()  # close() stopped it
 
 
 def test_identical_keys_across_threads(server, model):
