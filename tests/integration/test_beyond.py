@@ -257,13 +257,10 @@ def test_thread_safety_stress(server):
     assert l1["read_locked_count"] == 0 and l1["write_locked_count"] == 0
 
 
-def test_last_timing_breaks_each_call_down(server):
+def test_last_timing_breaks_each_call_down(server, model):
     """``ctx.last_timing``: per thread, per call; waits + copies + the rest = the call."""
-    name = unique_model_name("timing")
-    lay = KVLayout(num_layers=2, num_kv_heads=4, head_dim=64, dtype=torch.bfloat16)
-    toks = rand_tokens(3 * C, seed=11)
-    kv = torch.randn(2, 2, 3 * C, 256).bfloat16()
-    with lmc_sdk.connect(server.url, server.http_url, name, layout=lay) as ctx:
+    toks, kv = rand_tokens(3 * C, seed=11), model.kv(3 * C, seed=11)
+    with lmc_sdk.connect(server.url, server.http_url, model.name) as ctx:
         assert ctx.last_timing is None
         t0 = time.perf_counter()
         assert ctx.store(kv, toks)
