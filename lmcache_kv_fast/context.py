@@ -275,6 +275,10 @@ class LMCacheKVCacheContext:
         KVCacheSDKError: The server cannot be used (see the message for why).
     """
 
+    #: Send a retrieve's commit without waiting for its reply (transport/releases.py).
+    #: False restores the awaited flow; only benches/bench_release.py turns it off.
+    _defer_releases: bool = True
+
     def __init__(
         self,
         url: str,
@@ -837,8 +841,12 @@ class LMCacheKVCacheContext:
                     try:
                         return self._fetch(ch, hit_toks, rid, salt, n, out, commits)
                     finally:
-                        if commits:  # still under the key's lock: see _same_key
+                        if commits and self._defer_releases:  # under the key's lock
                             self._release_reads(commits, rid, key)
+                        elif commits:  # awaited (benches/bench_release.py compares)
+                            for p in commits:
+                                self._wait_quiet(ch, ch.send(Op.COMMIT_RETRIEVE, p))
+                            commits.clear()
             finally:
                 # commit_retrieve (affinity pool) touches the session: with commits, the
                 # session ends once they were acknowledged (DeferredReleases)

@@ -138,3 +138,17 @@ def test_hung_server_bounds_every_wait():
         finally:
             ctx.close()
         assert _left(srv) == (0, 0, 0)
+
+
+def test_awaited_flow_still_works(server, model):
+    """The awaited release flow (benches/bench_release.py's baseline) leaves nothing either."""
+    toks = rand_tokens(2 * C, seed=26)
+    kv = model.kv(2 * C, 26)
+    with lmc_sdk.connect(server.url, server.http_url, model.name) as ctx:
+        ctx._defer_releases = False
+        assert ctx.store(kv, toks)
+        for _ in range(3):
+            assert torch.equal(ctx.retrieve(toks), kv)
+        assert ctx.last_timing.rpcs >= 4  # the commit's reply is waited for
+        assert ctx._releases is None
+        assert _left(server) == (0, 0, 0)
