@@ -82,6 +82,8 @@ SETTLE_DELAYS_S = (0.005, 0.02, 0.05)
 SETTLE_ACKS_TIMEOUT_S = 1.0
 #: The background thread collects deferred release acknowledgements this often.
 RELEASE_COLLECT_S = 0.01
+#: ... and, with none pending, looks again this often (it is also woken when some come).
+RELEASE_IDLE_CHECK_S = 0.5
 #: Seconds one ``wait_prefetch_status`` may block the server's normal pool.
 PREFETCH_WAIT_SLICE_S = 0.1
 
@@ -1183,12 +1185,14 @@ class LMCacheKVCacheContext:
                 timeout = next_ping - time.monotonic()
                 if busy:
                     timeout = min(timeout, RELEASE_COLLECT_S)
+                elif rel is not None:  # a safety net: look again now and then
+                    timeout = min(timeout, RELEASE_IDLE_CHECK_S)
                 if timeout > 0:
                     self._bg_wake.wait(None if math.isinf(timeout) else timeout)
                     self._bg_wake.clear()
                 if self._hb_stop.is_set():
                     return
-                if busy and rel is not None:
+                if rel is not None and rel.pending():
                     rel.collect()
                 if interval is None or time.monotonic() < next_ping:
                     continue

@@ -99,23 +99,29 @@ class DeferredReleases:
         return self._ch
 
     def _acked(self, uid: bytes) -> None:
-        """A commit's reply arrived (called under the lock, from Channel._drain)."""
-        entry = self._uids.pop(uid, None)
+        """A commit's reply arrived (called under the lock, from Channel._drain).
+
+        The end_session is fired *before* the commit leaves ``_uids``, so :meth:`pending`
+        (read without the lock by the collecting thread) never reads False in between:
+        that thread sleeps long once it sees nothing pending.
+        """
+        entry = self._uids.get(uid)
         if entry is None:
             return
         key, rid = entry
+        left_rid = self._rids.get(rid, 0) - 1
+        if left_rid <= 0:
+            assert self._ch is not None
+            self._ch.fire(Op.END_SESSION, [rid])  # its own reply is collected like the rest
+            self._rids.pop(rid, None)
+        else:
+            self._rids[rid] = left_rid
         left = self._keys.get(key, 0) - 1
         if left > 0:
             self._keys[key] = left
         else:
             self._keys.pop(key, None)
-        left = self._rids.get(rid, 0) - 1
-        if left > 0:
-            self._rids[rid] = left
-            return
-        self._rids.pop(rid, None)
-        assert self._ch is not None
-        self._ch.fire(Op.END_SESSION, [rid])  # its own reply is collected like the rest
+        del self._uids[uid]
 
     # -- receiving -------------------------------------------------------------------
     def _collect_locked(self, ch: Channel, timeout_ms: int) -> None:

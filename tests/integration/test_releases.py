@@ -152,3 +152,32 @@ def test_awaited_flow_still_works(server, model):
         assert ctx.last_timing.rpcs >= 4  # the commit's reply is waited for
         assert ctx._releases is None
         assert _left(server) == (0, 0, 0)
+
+
+def test_pending_never_reads_false_between_commit_ack_and_end(server, model):
+    """The collector thread sleeps once nothing is pending: the hand-over from a commit's
+    acknowledgement to its end_session must never look like "nothing pending"."""
+    from lmcache_kv_fast.protocol.ops import Op
+
+    toks = rand_tokens(C, seed=27)
+    kv = model.kv(C, 27)
+    with lmc_sdk.connect(server.url, server.http_url, model.name) as ctx:
+        assert ctx.store(kv, toks)
+        assert ctx.retrieve(toks) is not None  # creates the release channel
+        rel = ctx._releases
+        assert rel is not None and rel.settle(5.0)
+        ch = rel._channel()
+        seen: list[bool] = []
+        real_fire = ch.fire
+
+        def fire(op, payloads=(), **kw):
+            if op is Op.END_SESSION:
+                seen.append(rel.pending())
+            return real_fire(op, payloads, **kw)
+
+        ch.fire = fire
+        for _ in range(20):
+            assert ctx.retrieve(toks) is not None
+        assert rel.settle(5.0)
+        assert len(seen) == 20 and all(seen), seen
+        assert _left(server) == (0, 0, 0)
