@@ -113,7 +113,7 @@ def cmd_server(args: argparse.Namespace) -> int:
     from lmcache_kv_fast.testing import LMCacheServer, register_vllm_layout
 
     with LMCacheServer(shm=not args.pickle, l1_size_gb=args.l1_size_gb,
-                       chunk_size=args.chunk_size) as srv:
+                       chunk_size=args.chunk_size, keep_log=True) as srv:
         if args.register:
             register_vllm_layout(srv.url, args.register, num_layers=args.layers, num_kv_heads=8,
                                  head_size=128)

@@ -41,6 +41,10 @@ SERVER_ENV = {
 }
 
 
+#: Set to 1 to keep every test/bench server's log file after it stops.
+KEEP_LOGS_ENV = "LMCACHE_KV_FAST_KEEP_SERVER_LOGS"
+
+
 class ServerStartError(RuntimeError):
     """The server did not become ready; the message carries the tail of its log."""
 
@@ -84,6 +88,9 @@ class LMCacheServer:
         version: Server version string (selects the launch command and op table);
             None means whatever ``lmcache`` the interpreter has (0.5.6 expected).
         extra_args: More server flags (e.g. reap timeouts).
+        keep_log: Keep the server's log file (a temporary file) after :meth:`stop`; by
+            default it is deleted then, unless ``LMCACHE_KV_FAST_KEEP_SERVER_LOGS=1`` is
+            set. :meth:`stop` logs the path of a kept log.
         startup_timeout: Seconds to wait for readiness.
     """
 
@@ -98,6 +105,7 @@ class LMCacheServer:
         extra_args: Sequence[str] = (),
         startup_timeout: float = 90.0,
         max_workers: int | None = None,
+        keep_log: bool | None = None,
     ) -> None:
         self.shm = shm
         self.chunk_size = chunk_size
@@ -107,6 +115,9 @@ class LMCacheServer:
         self.extra_args = list(extra_args)
         self.startup_timeout = startup_timeout
         self.max_workers = max_workers
+        if keep_log is None:
+            keep_log = os.environ.get(KEEP_LOGS_ENV, "") not in ("", "0")
+        self.keep_log = keep_log
         self.proc: subprocess.Popen[bytes] | None = None
         self.port = 0
         self.http_port = 0
@@ -242,7 +253,13 @@ class LMCacheServer:
             self.proc.wait(10)
 
     def stop(self) -> None:
-        """Stop the server (SIGTERM, then SIGKILL) and remove its segments. Idempotent."""
+        """Stop the server (SIGTERM, then SIGKILL); remove its segments and log. Idempotent.
+
+        The log file stays when ``keep_log`` is set.
+        """
+        self._stop(remove_log=not self.keep_log)
+
+    def _stop(self, remove_log: bool) -> None:
         proc, self.proc = self.proc, None
         if proc is not None:
             if proc.poll() is None:
@@ -262,11 +279,17 @@ class LMCacheServer:
         if self._log_file is not None:
             self._log_file.close()
             self._log_file = None
+            if self.log_path is not None:
+                if remove_log:
+                    with contextlib.suppress(FileNotFoundError):
+                        self.log_path.unlink()
+                elif self.keep_log:
+                    logger.info("LMCache server log kept: %s", self.log_path)
 
     def restart(self) -> None:
         """Stop and start again on the same ports and segment name (fault tests)."""
         port, http_port, shm_name = self.port, self.http_port, self.shm_name
-        self.stop()
+        self._stop(remove_log=False)  # the restarted server appends to the same log
         self.port, self.http_port, self.shm_name = port, http_port, shm_name
         env = {**os.environ, **SERVER_ENV}
         self._log_file = open(self.log_path, "ab")  # type: ignore[arg-type]  # noqa: SIM115

@@ -43,6 +43,21 @@ def test_lmcache_driven_server_refused():
     srv.command = lambda _orig=srv.command: [a if a != "auto" else "lmcache_driven" for a in _orig()]
     with srv, pytest.raises(lkf.KVCacheSDKError, match="supported-transfer-mode"):
         lmc_sdk.connect(srv.url, srv.http_url, "m", timeout=10)
+    # the server's temporary log file goes with it
+    assert srv.log_path is not None and not srv.log_path.exists()
+
+
+def test_server_log_kept_on_request(monkeypatch):
+    monkeypatch.setenv("LMCACHE_KV_FAST_KEEP_SERVER_LOGS", "1")
+    srv = LMCacheServer(shm=False, l1_size_gb=0.25)
+    assert srv.keep_log and not LMCacheServer(keep_log=False).keep_log
+    try:
+        with srv:
+            assert srv.log_path is not None and srv.log_path.exists()
+        assert srv.log_path.exists() and srv.log_path.stat().st_size > 0
+    finally:
+        if srv.log_path is not None:
+            srv.log_path.unlink(missing_ok=True)
 
 
 @pytest.mark.parametrize("kw, match", [
