@@ -131,3 +131,12 @@ def test_bench_quick_json(tmp_path: Path) -> None:
     for t in targets.values():
         assert t["status"] in ("PASS", "MISS"), t
         assert math.isfinite(t["value"]), t
+    # every SDK-vs-SDK / vs-roofline target of the SHM and pickle planes has a ceiling
+    # (server waits + flat memcpy); cold stores, import and W3 have none
+    with_ceiling = [n for n, t in targets.items() if t["ceiling"] is not None]
+    assert len(with_ceiling) == 11, with_ceiling
+    for n in with_ceiling:
+        assert math.isfinite(targets[n]["ceiling"]) and targets[n]["ceiling"] > 0, targets[n]
+        assert targets[n]["reachable"] in (True, False), targets[n]
+    assert targets["W1 store cold vs upstream"]["reachable"] is None
+    assert "ceiling" in p.stdout and "beyond their ceiling" in p.stdout
