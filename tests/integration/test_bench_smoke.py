@@ -43,6 +43,39 @@ def test_w3_edit_matches_demo(tokens: int) -> None:
         assert got_kv.is_contiguous()
 
 
+def test_target_ceiling_from_waits_and_roofline() -> None:
+    """The ceiling of a target: the other side's median over (server waits + flat copy)."""
+    from lmcache_kv_fast.testing import benchmark as b
+
+    ours, roof = b.kvf_native(2), b.roofline(2)
+
+    def rec(path: str, op: str, xs: list[float], phases: list[dict] | None = None) -> dict:
+        return {"path": path, "op": op, "nbytes": 1 << 29, "samples": xs, "reps": [],
+                "during": [], "phases": phases or []}
+
+    ph = [{"wait_s": 0.005, "copy_s": c, "total_s": 0.04, "alloc_s": 0.0, "client_s": 0.001,
+           "rpcs": 2, "chunks": 16} for c in (0.031, 0.032, 0.033)]
+    records = {
+        (ours, b.W1_STORE_WARM): rec(ours, b.W1_STORE_WARM, [0.039, 0.040, 0.041], ph),
+        (b.UPSTREAM, b.W1_STORE_WARM): rec(b.UPSTREAM, b.W1_STORE_WARM, [0.06, 0.07, 0.08]),
+        (roof, b.W1_COPY_WARM): rec(roof, b.W1_COPY_WARM, [0.029, 0.030, 0.031]),
+        (ours, b.W1_STORE_COLD): rec(ours, b.W1_STORE_COLD, [0.2], ph),
+        (b.UPSTREAM, b.W1_STORE_COLD): rec(b.UPSTREAM, b.W1_STORE_COLD, [0.25]),
+    }
+    # the copy floor is the faster of the roofline (30 ms) and the call's own copy (32 ms)
+    assert b.floor_s(records, ours, b.W1_STORE_WARM, 2) == pytest.approx(0.035)
+    assert b.floor_s(records, b.UPSTREAM, b.W1_STORE_WARM, 2) is None  # no phases
+    targets = {t.name: t for t in b.compute_targets(b._rows(records), records, {}, 2)}
+    t = targets["W1 store warm vs roofline"]
+    assert t.ceiling == pytest.approx(0.030 / 0.035) and t.status == "MISS"
+    assert t.reachable is False  # 0.857 < 0.9: out of reach against this "server"
+    t = targets["W1 store warm vs upstream"]
+    assert t.ceiling == pytest.approx(0.070 / 0.035) and t.status == "PASS" and t.reachable
+    assert targets["W1 store cold vs upstream"].ceiling is None
+    assert targets["W1 store cold vs upstream"].reachable is None
+    assert targets["W4 pickle plane store vs upstream"].status == "n/a"
+
+
 def _positive(xs: list[float]) -> bool:
     return bool(xs) and all(isinstance(x, float) and math.isfinite(x) and x > 0 for x in xs)
 
