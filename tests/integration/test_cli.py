@@ -8,6 +8,7 @@ import signal
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 from conftest import make_model
 
@@ -48,6 +49,8 @@ def test_server_command_starts_and_stops():
     p = subprocess.Popen([sys.executable, "-m", "lmcache_kv_fast", "server", "--l1-size-gb", "0.25",
                           "--register", "cli-model", "--layers", "2"],
                          stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, env=env)
+    info: dict = {}
+    log_kept = False
     try:
         line = p.stdout.readline()
         info = json.loads(line)
@@ -57,8 +60,14 @@ def test_server_command_starts_and_stops():
     finally:
         p.send_signal(signal.SIGTERM)
         p.wait(30)
+        # the user-facing server keeps its log (the path it printed); the test removes it
+        if info.get("log"):
+            log = Path(info["log"])
+            log_kept = log.exists() and log.stat().st_size > 0
+            log.unlink(missing_ok=True)
     time.sleep(0.2)
     assert not os.path.exists(f"/dev/shm/{info['shm']}")
+    assert log_kept
 
 
 def test_hybrid_model_refused_and_listed_per_group(server_pickle, capsys):
