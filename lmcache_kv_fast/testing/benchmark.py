@@ -459,9 +459,11 @@ def worker_plan(spec: dict[str, Any]) -> dict[str, list[Variant]]:
         roofs = []
     plan: dict[str, list[Variant]] = {}
     if "W1" in wl:
-        for op in (W1_STORE_WARM, W1_STORE_COLD, W1_RET_WARM, W1_RET_COLD, W1_RET_OUT):
-            if op != W1_RET_OUT or kind != "upstream":
-                plan[op] = shm + roofs
+        for op in (W1_STORE_WARM, W1_STORE_COLD, W1_RET_WARM, W1_RET_COLD):
+            plan[op] = shm + roofs
+        # upstream has no `out`: in this op it times its drop-in retrieve again (recorded
+        # as W1 retrieve warm), so "with out vs upstream" is paired rep by rep like the rest
+        plan[W1_RET_OUT] = [shm[0]] if kind == "upstream" else shm + roofs
     if "W2" in wl:
         plan[W2_STORE] = plan[W2_RET] = shm + pick + roofs
     if "W3" in wl and kind in ("native", "upstream"):
@@ -469,6 +471,15 @@ def worker_plan(spec: dict[str, Any]) -> dict[str, list[Variant]]:
     if "W4" in wl and pick:
         plan[W4_STORE] = plan[W4_RET] = pick + roofs
     return plan
+
+
+def _recorded_op(op: str, v: Variant) -> str:
+    """The op a variant's samples of driven ``op`` are recorded under."""
+    if v.roofline:
+        return ROOF_OP[op]
+    if op == W1_RET_OUT and v.path == UPSTREAM:
+        return W1_RET_WARM  # its drop-in call, the reference of the `out` paths
+    return op
 
 
 @dataclass
@@ -614,8 +625,7 @@ class _Worker:
             self.cur = self._w3_state(variants[0]) if op == "W3" else self._state(op, variants)
         except Exception as err:
             for v in variants:
-                for o in ([W3_SEQ, W3_BATCH] if op == "W3" else
-                          [ROOF_OP[op] if v.roofline else op]):
+                for o in [W3_SEQ, W3_BATCH] if op == "W3" else [_recorded_op(op, v)]:
                     self.record(v.path, o, 0, None, f"{type(err).__name__}: {err}")
             self.note(f"{op}: {type(err).__name__}: {err}")
             self.cur = None
@@ -628,7 +638,7 @@ class _Worker:
             return
         for v in list(st.live):
             self.activate(v)
-            op = ROOF_OP[st.op] if v.roofline else st.op
+            op = _recorded_op(st.op, v)
             self.phases = None
             try:
                 dt = st.fn(v, i)
@@ -726,7 +736,7 @@ class _Worker:
                     self._native.result_pool_trim()
             ctx = self.ctx(v.server, model)
             t0 = time.perf_counter()
-            r = ctx.retrieve(seeded[v.server]) if out is None else \
+            r = ctx.retrieve(seeded[v.server]) if out is None or v.path == UPSTREAM else \
                 ctx.retrieve(seeded[v.server], out=out)
             dt = time.perf_counter() - t0
             self._take_phases(ctx)
@@ -1344,9 +1354,10 @@ def print_table(rows: dict[tuple[str, str], Row], records: dict[tuple[str, str],
             print(file=out)
     print("x roof: fraction of a flat memcpy of the same bytes timed in the same reps (same copy "
           "threads; cold rows: into fresh anonymous / fresh /dev/shm pages); x up: speed-up over "
-          "upstream (retrieve+out and W3 batch vs upstream's drop-in retrieve / sequential loop);"
-          " both the median of per-rep ratios where the two ran in the same reps, else the ratio "
-          "of medians", file=out)
+          "upstream (retrieve+out and W3 batch vs upstream's drop-in retrieve / sequential loop;"
+          " upstream's drop-in retrieve is timed in the retrieve+out reps too, and its row counts"
+          " both); both the median of per-rep ratios where the two ran in the same reps, else "
+          "the ratio of medians", file=out)
 
 
 def print_latency(rows: dict[tuple[str, str], Row], out: Any = None) -> None:

@@ -131,6 +131,10 @@ def test_bench_quick_json(tmp_path: Path) -> None:
             assert rec is not None, f"no record for {path} / {op}"
             assert rec["nbytes"] > 0, (path, op)
             assert _positive(rec["samples"]), (path, op, rec)
+    # upstream's drop-in retrieve is also timed in the retrieve+out reps (its reference there)
+    up_ret = records[("upstream", "W1 retrieve warm")]
+    assert set(up_ret["during"]) == {"W1 retrieve warm", "W1 retrieve+out warm"}
+    assert ("upstream", "W1 retrieve+out warm") not in records
     summary = {(r["path"], r["op"]): r for r in doc["summary"]}
     for key, row in summary.items():
         for f in ("min", "median", "p90", "p99", "gbps"):
@@ -161,6 +165,7 @@ def test_bench_quick_json(tmp_path: Path) -> None:
 
     targets = {t["name"]: t for t in doc["targets"]}
     assert len(targets) == 16
+    assert targets["W1 retrieve warm, with out vs upstream"]["detail"].endswith("paired")
     for t in targets.values():
         assert t["status"] in ("PASS", "MISS"), t
         assert math.isfinite(t["value"]), t
