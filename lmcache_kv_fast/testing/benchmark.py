@@ -1230,6 +1230,9 @@ class _Server:
     segment: str = ""
     models: dict[str, str] = field(default_factory=dict)
     version: str | None = None
+    #: glibc settings the harness gave a server it started ("" values: none; None: a
+    #: server given by URL, unknown)
+    malloc: dict[str, str] | None = None
 
 
 def _describe_server(url: str, http_url: str, l1_gib: float) -> _Server:
@@ -1268,11 +1271,13 @@ def _servers(args: argparse.Namespace, s: Sizes, workloads: Sequence[str],
 
         threads = []
         if not (args.url and args.http_url):
-            srv = LMCacheServer(shm=True, l1_size_gb=shm_gib, chunk_size=args.chunk_size)
+            srv = LMCacheServer(shm=True, l1_size_gb=shm_gib, chunk_size=args.chunk_size,
+                                malloc_tuning=args.server_malloc == "tuned")
             stack.callback(srv.stop)
             threads.append(threading.Thread(target=start, args=("shm", srv)))
         if want_pickle and not (args.pickle_url and args.pickle_http_url):
-            psrv = LMCacheServer(shm=False, l1_size_gb=pick_gib, chunk_size=args.chunk_size)
+            psrv = LMCacheServer(shm=False, l1_size_gb=pick_gib, chunk_size=args.chunk_size,
+                                 malloc_tuning=args.server_malloc == "tuned")
             stack.callback(psrv.stop)
             threads.append(threading.Thread(target=start, args=("pickle", psrv)))
         for t in threads:
@@ -1281,8 +1286,12 @@ def _servers(args: argparse.Namespace, s: Sizes, workloads: Sequence[str],
             t.join()
         if errors:
             raise errors[0]
+        def malloc_of(srv: LMCacheServer) -> dict[str, str]:
+            return {k: v for k, v in srv.server_env.items() if k.startswith("MALLOC_")}
+
         if "shm" in started:
             shm = _describe_server(started["shm"].url, started["shm"].http_url, shm_gib)
+            shm.malloc = malloc_of(started["shm"])
         else:
             shm = _describe_server(args.url, args.http_url, shm_gib)
             notes.append(f"using the given server {args.url} (its L1 is assumed to be "
@@ -1293,6 +1302,7 @@ def _servers(args: argparse.Namespace, s: Sizes, workloads: Sequence[str],
         pick = None
         if "pickle" in started:
             pick = _describe_server(started["pickle"].url, started["pickle"].http_url, pick_gib)
+            pick.malloc = malloc_of(started["pickle"])
         elif want_pickle:
             pick = _describe_server(args.pickle_url, args.pickle_http_url, pick_gib)
         yield shm, pick
@@ -1694,6 +1704,11 @@ def build_parser() -> argparse.ArgumentParser:
                    f"from the workloads, <= {SHM_CAP_GIB:g})")
     g.add_argument("--pickle-l1-gb", type=float, help="L1 of the started pickle server")
     g.add_argument("--chunk-size", type=int, default=256)
+    g.add_argument("--server-malloc", choices=("tuned", "default"), default="tuned",
+                   help="glibc settings of the servers started here: 'tuned' (the README's "
+                        "deployment settings: MALLOC_ARENA_MAX=1, 512 MiB mmap threshold; "
+                        "the pickle plane's server work 2-3x faster for every client) or "
+                        "glibc's 'default'")
     g = ap.add_argument_group("what to run")
     g.add_argument("--quick", action="store_true", help="CI-sized run (< 2 minutes)")
     g.add_argument("--workloads", default=",".join(WORKLOADS), help="subset of W1,W2,W3,W4,IC")
@@ -1884,7 +1899,8 @@ def _main(args: argparse.Namespace, t_start: float) -> int:
     _print_header(machine, s, shm_l1=server_desc["shm"]["l1_gib"],
                   pick_l1=(server_desc["pickle"] or {}).get("l1_gib"), threads=threads,
                   infos=infos, server_version=server_desc["shm"].get("version"),
-                  w3_edit=args.w3_edit, w3_no_alloc=args.w3_no_alloc)
+                  w3_edit=args.w3_edit, w3_no_alloc=args.w3_no_alloc,
+                  server_malloc=(server_desc["pickle"] or server_desc["shm"]).get("malloc"))
     print_table(rows, records)
     if any(o.startswith("W2") for (_p, o) in rows):
         print_latency(rows)
@@ -1925,7 +1941,8 @@ def _main(args: argparse.Namespace, t_start: float) -> int:
 def _print_header(machine: dict[str, Any], s: Sizes, *, shm_l1: float, pick_l1: float | None,
                   threads: Sequence[int], infos: Sequence[dict[str, Any]],
                   server_version: str | None, w3_edit: str,
-                  w3_no_alloc: bool = False) -> None:
+                  w3_no_alloc: bool = False,
+                  server_malloc: dict[str, str] | None = None) -> None:
     print("\n== lmcache-kv-fast bench")
     print(f"machine: {machine.get('cpu', '?')}, {machine.get('usable_cores')} usable cores, "
           f"{machine.get('memory_gib')} GiB, THP {machine.get('thp', '?')}; python "
@@ -1939,6 +1956,9 @@ def _print_header(machine: dict[str, Any], s: Sizes, *, shm_l1: float, pick_l1: 
           f"warm-up; W4 {s.w4_bytes / MiB:.0f} MiB x "
           f"{s.w4_reps}; L1: SHM {shm_l1:g} GiB, pickle {pick_l1 if pick_l1 is not None else '-'} "
           f"GiB; native copy threads {list(threads)}")
+    if server_malloc is not None:
+        desc = " ".join(f"{k}={v}" for k, v in server_malloc.items()) or "glibc defaults"
+        print(f"started servers' allocator: {desc} (--server-malloc; same for both SDKs)")
     for info in infos:
         if info.get("native_config"):
             print(f"native core: {info['native_config']}")

@@ -41,6 +41,21 @@ SERVER_ENV = {
 }
 
 
+#: glibc settings for the server process (the recommended deployment, README
+#: "Deploying the server"). The pickle plane makes the server allocate several transient
+#: buffers of the payload's size per request (ZMQ receive, msgpack ``bin``, the pickle's
+#: bytes, ``torch.load``'s storage, and the reverse for a retrieve); glibc serves those
+#: from fresh mmaps (above 32 MiB, or any size in a thread's own arena above its 64 MiB
+#: heaps) and unmaps them on free, so each one page-faults anew. One arena and a 512 MiB
+#: mmap threshold keep them in a reused heap: a 64 MiB pickle store 3x and retrieve 2.4x
+#: faster here, at the cost of up to ~0.5 GiB more resident heap. The SHM plane does not
+#: allocate per request and is unaffected. Variables the caller already set are kept.
+MALLOC_TUNING_ENV = {
+    "MALLOC_ARENA_MAX": "1",
+    "MALLOC_MMAP_THRESHOLD_": str(512 << 20),
+    "MALLOC_TRIM_THRESHOLD_": str(1 << 30),
+}
+
 #: Set to 1 to keep every test/bench server's log file after it stops.
 KEEP_LOGS_ENV = "LMCACHE_KV_FAST_KEEP_SERVER_LOGS"
 
@@ -88,6 +103,9 @@ class LMCacheServer:
         version: Server version string (selects the launch command and op table);
             None means whatever ``lmcache`` the interpreter has (0.5.6 expected).
         extra_args: More server flags (e.g. reap timeouts).
+        malloc_tuning: Start the server with :data:`MALLOC_TUNING_ENV` (glibc keeps the
+            pickle plane's per-request buffers instead of mapping fresh pages each time);
+            False runs it with glibc's defaults.
         keep_log: Keep the server's log file (a temporary file) after :meth:`stop`; by
             default it is deleted then, unless ``LMCACHE_KV_FAST_KEEP_SERVER_LOGS=1`` is
             set. :meth:`stop` logs the path of a kept log.
@@ -106,6 +124,7 @@ class LMCacheServer:
         startup_timeout: float = 90.0,
         max_workers: int | None = None,
         keep_log: bool | None = None,
+        malloc_tuning: bool = True,
     ) -> None:
         self.shm = shm
         self.chunk_size = chunk_size
@@ -118,6 +137,7 @@ class LMCacheServer:
         if keep_log is None:
             keep_log = os.environ.get(KEEP_LOGS_ENV, "") not in ("", "0")
         self.keep_log = keep_log
+        self.malloc_tuning = malloc_tuning
         self.proc: subprocess.Popen[bytes] | None = None
         self.port = 0
         self.http_port = 0
@@ -212,11 +232,9 @@ class LMCacheServer:
         os.close(fd)
         self.log_path = Path(path)
         self._log_file = open(path, "wb")  # noqa: SIM115 - closed in stop()
-        env = {**os.environ, **SERVER_ENV}
-        env.pop("LMCACHE_KV_FAST_BACKEND", None)
         self.proc = subprocess.Popen(
             self.command(), stdout=self._log_file, stderr=subprocess.STDOUT,
-            stdin=subprocess.DEVNULL, env=env, start_new_session=True,
+            stdin=subprocess.DEVNULL, env=self._env(), start_new_session=True,
         )
         deadline = time.monotonic() + self.startup_timeout
         http = self.http(timeout=1.0)
@@ -238,6 +256,22 @@ class LMCacheServer:
                 break
         logger.info("LMCache server ready: %s %s shm=%r", self.url, self.http_url,
                     self.pool_segment)
+
+    @property
+    def server_env(self) -> dict[str, str]:
+        """Variables set for the server process on top of the caller's environment.
+
+        The tracking/banner switches and, with ``malloc_tuning``, glibc's settings.
+        """
+        extra = dict(SERVER_ENV)
+        if self.malloc_tuning:
+            extra.update({k: v for k, v in MALLOC_TUNING_ENV.items() if k not in os.environ})
+        return extra
+
+    def _env(self) -> dict[str, str]:
+        env = {**os.environ, **self.server_env}
+        env.pop("LMCACHE_KV_FAST_BACKEND", None)
+        return env
 
     def log_tail(self, n: int = 40) -> str:
         """The last ``n`` lines of the server log."""
@@ -291,11 +325,10 @@ class LMCacheServer:
         port, http_port, shm_name = self.port, self.http_port, self.shm_name
         self._stop(remove_log=False)  # the restarted server appends to the same log
         self.port, self.http_port, self.shm_name = port, http_port, shm_name
-        env = {**os.environ, **SERVER_ENV}
         self._log_file = open(self.log_path, "ab")  # type: ignore[arg-type]  # noqa: SIM115
         self.proc = subprocess.Popen(
             self.command(), stdout=self._log_file, stderr=subprocess.STDOUT,
-            stdin=subprocess.DEVNULL, env=env, start_new_session=True,
+            stdin=subprocess.DEVNULL, env=self._env(), start_new_session=True,
         )
         deadline = time.monotonic() + self.startup_timeout
         while not zmq_noop(self.url, self.generation, timeout=0.5):

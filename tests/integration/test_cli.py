@@ -55,6 +55,7 @@ def test_server_command_starts_and_stops():
         line = p.stdout.readline()
         info = json.loads(line)
         assert info["url"].startswith("tcp://127.0.0.1:") and info["shm"]
+        assert info["env"]["MALLOC_ARENA_MAX"] == "1"  # the recommended deployment
         assert os.path.exists(f"/dev/shm/{info['shm']}")
         assert main(["info", "--http-url", info["http_url"], "--model", "cli-model", "--json"]) == 0
     finally:

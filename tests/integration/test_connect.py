@@ -5,6 +5,7 @@ from __future__ import annotations
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import pytest
 from conftest import make_model, unique_model_name
@@ -41,18 +42,31 @@ def test_lmcache_driven_server_refused():
     srv = LMCacheServer(shm=False, l1_size_gb=0.25)
     # the CLI default mode: no engine-driven transfers
     srv.command = lambda _orig=srv.command: [a if a != "auto" else "lmcache_driven" for a in _orig()]
-    with srv, pytest.raises(lkf.KVCacheSDKError, match="supported-transfer-mode"):
-        lmc_sdk.connect(srv.url, srv.http_url, "m", timeout=10)
+    with srv:
+        assert _proc_env(srv.proc.pid).get("MALLOC_ARENA_MAX") == "1"  # tuned by default
+        with pytest.raises(lkf.KVCacheSDKError, match="supported-transfer-mode"):
+            lmc_sdk.connect(srv.url, srv.http_url, "m", timeout=10)
     # the server's temporary log file goes with it
     assert srv.log_path is not None and not srv.log_path.exists()
 
 
-def test_server_log_kept_on_request(monkeypatch):
+def _proc_env(pid: int) -> dict[str, str]:
+    raw = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
+    return dict(kv.decode(errors="replace").partition("=")[::2] for kv in raw if b"=" in kv)
+
+
+def test_server_log_kept_on_request_and_untuned_malloc(monkeypatch):
     monkeypatch.setenv("LMCACHE_KV_FAST_KEEP_SERVER_LOGS", "1")
-    srv = LMCacheServer(shm=False, l1_size_gb=0.25)
+    monkeypatch.setenv("MALLOC_TRIM_THRESHOLD_", "12345")  # the caller's own setting wins
+    tuned = LMCacheServer().server_env
+    assert tuned["MALLOC_ARENA_MAX"] == "1" and "MALLOC_TRIM_THRESHOLD_" not in tuned
+    srv = LMCacheServer(shm=False, l1_size_gb=0.25, malloc_tuning=False)
+    assert not any(k.startswith("MALLOC_") for k in srv.server_env)
     assert srv.keep_log and not LMCacheServer(keep_log=False).keep_log
     try:
         with srv:
+            env = _proc_env(srv.proc.pid)
+            assert "MALLOC_ARENA_MAX" not in env and env["MALLOC_TRIM_THRESHOLD_"] == "12345"
             assert srv.log_path is not None and srv.log_path.exists()
         assert srv.log_path.exists() and srv.log_path.stat().st_size > 0
     finally:
