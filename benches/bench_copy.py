@@ -226,32 +226,48 @@ def bench_kernels(reps: int, regions: list, x: torch.Tensor, geom: ChunkGeometry
                   ids: list[int]) -> None:
     sizes = [512 * KiB, MiB, 2 * MiB, 4 * MiB, 8 * MiB, 32 * MiB, 512 * MiB]
     old = _native.get_copy_kernel()
+    old_pages = _native.get_stream_interleave()
     src = torch.ones(max(sizes), dtype=torch.uint8)
     dst = torch.zeros(max(sizes), dtype=torch.uint8)
-    kernels = ["libc", "stream"]
+    # (kernel, pages walked in lock step): glibc, linear streaming, page-interleaved streaming
+    kernels = [("libc", old_pages), ("stream", 1), ("stream", 4), ("stream", old_pages)]
+    if old_pages not in (1, 4):
+        kernels.append(("stream", 2 * old_pages))
+
+    def use(k: str, pages: int) -> Callable[[], None]:
+        def setup() -> None:
+            _native.set_copy_kernel(k)
+            _native.set_stream_interleave(pages)
+        return setup
+
+    def label(k: str, pages: int) -> str:
+        return "libc" if k == "libc" else f"stream/{pages}p"
+
     cases: list[Case] = []
     for s in sizes:
-        for k in kernels:
-            cases.append(Case(f"memcpy {s / MiB:6.1f} MiB kernel={k}",
+        for k, pages in kernels:
+            cases.append(Case(f"memcpy {s / MiB:6.1f} MiB kernel={label(k, pages)}",
                               lambda s=s: _native.memcpy(dst.data_ptr(), src.data_ptr(), s),
-                              s, setup=lambda k=k: _native.set_copy_kernel(k)))
+                              s, setup=use(k, pages)))
     y = torch.empty_like(x)
     y.fill_(0)
-    for k in kernels:
-        cases.append(Case(f"native scatter 0.5 GiB kernel={k}",
+    for k, pages in kernels:
+        cases.append(Case(f"native scatter 0.5 GiB kernel={label(k, pages)}",
                           lambda: nb.scatter(x, geom, ids, regions), x.nbytes,
-                          setup=lambda k=k: _native.set_copy_kernel(k)))
-        cases.append(Case(f"native gather->out 0.5 GiB kernel={k}",
+                          setup=use(k, pages)))
+        cases.append(Case(f"native gather->out 0.5 GiB kernel={label(k, pages)}",
                           lambda: nb.gather(y, geom, ids, regions), x.nbytes,
-                          setup=lambda k=k: _native.set_copy_kernel(k)))
+                          setup=use(k, pages)))
     try:
         run_round_robin(cases, reps, 1)
     finally:
         _native.set_copy_kernel(old)
+        _native.set_stream_interleave(old_pages)
     for c in cases:
         c.threads = str(_native.get_threads())
-    print_cases(f"kernel: glibc memcpy vs streaming stores ({_native.config()['stream_isa']}); "
-                f"auto streams from {_native.get_stream_threshold() // MiB} MiB", cases)
+    print_cases(f"kernel: glibc memcpy vs streaming stores ({_native.config()['stream_isa']}; "
+                f"stream/Np: N 4 KiB pages in lock step); auto streams from "
+                f"{_native.get_stream_threshold() // MiB} MiB", cases)
 
 
 def main() -> int:
@@ -261,6 +277,8 @@ def main() -> int:
     ap.add_argument("--skip-4g", action="store_true")
     ap.add_argument("--main-only", action="store_true",
                     help="only the scatter/gather table and ratios")
+    ap.add_argument("--kernels-only", action="store_true",
+                    help="only the copy-kernel table (glibc vs streaming variants)")
     args = ap.parse_args()
     reps = 4 if args.quick else args.reps
     all_threads = _native.get_threads()
@@ -279,7 +297,7 @@ def main() -> int:
         ids = list(range(n_chunks))
         nbytes = x.nbytes
 
-        if not args.main_only:
+        if not (args.main_only or args.kernels_only):
             bench_populate(seg, 3 if args.quick else 5, x.view(torch.uint8).reshape(-1),
                            args.skip_4g or args.quick)
             bench_threshold(args.quick)
@@ -290,6 +308,9 @@ def main() -> int:
         nregs = nseg.regions(slots, geom.chunk_nbytes, 4096)
         tregs = tseg.regions(slots, geom.chunk_nbytes, 4096)
 
+        if args.kernels_only:
+            bench_kernels(reps, nregs, x, geom, ids)
+            return 0
         if not args.main_only:
             bench_kernels(max(3, reps // 2), nregs, x, geom, ids)
 

@@ -30,6 +30,9 @@ Kernel get_kernel();
 // Jobs of at least this many bytes use streaming stores under Kernel::kAuto.
 void set_stream_threshold(uint64_t nbytes);
 uint64_t get_stream_threshold();
+// Streaming copies walk this many 4 KiB pages in lock step (1: one linear stream).
+void set_stream_interleave(int pages);  // ValueError outside [1, 64]
+int get_stream_interleave();
 // Name of the streaming implementation picked for this CPU ("avx512", "avx2", "sse2", "none").
 std::string stream_isa();
 

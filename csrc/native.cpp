@@ -265,6 +265,7 @@ py::dict config() {
   return py::dict("threads"_a = get_threads(), "parallel_threshold"_a = get_parallel_threshold(),
                   "copy_kernel"_a = kernel_name(get_kernel()),
                   "stream_threshold"_a = get_stream_threshold(), "stream_isa"_a = stream_isa(),
+                  "stream_interleave"_a = get_stream_interleave(),
                   "usable_cpus"_a = usable_cpus());
 }
 
@@ -383,6 +384,9 @@ PYBIND11_MODULE(_native, m) {
   m.def("set_stream_threshold",
         [](py::handle n) { set_stream_threshold(field(n, "threshold")); }, "nbytes"_a);
   m.def("get_stream_threshold", &get_stream_threshold);
+  m.def("set_stream_interleave", &set_stream_interleave, "pages"_a,
+        "Streaming copies walk this many 4 KiB pages in lock step (1: linear), 1..64.");
+  m.def("get_stream_interleave", &get_stream_interleave);
   m.def("config", &config);
   m.def("set_cold_write_fraction",
         [](double f) {

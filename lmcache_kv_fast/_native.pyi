@@ -147,6 +147,14 @@ def set_stream_threshold(nbytes: int) -> None:
     """Copies of at least this many bytes use streaming stores under ``auto``."""
 
 def get_stream_threshold() -> int: ...
+def set_stream_interleave(pages: int) -> None:
+    """Streaming copies walk this many 4 KiB pages in lock step (1: linear), 1..64.
+
+    Raises:
+        ValueError: ``pages`` outside ``[1, 64]``.
+    """
+
+def get_stream_interleave() -> int: ...
 def set_cold_write_fraction(fraction: float) -> None:
     """Share of a scatter's not-yet-allocated segment regions written with ``pwritev``.
 

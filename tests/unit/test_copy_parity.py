@@ -309,3 +309,42 @@ def test_gather_into_alloc_result(segs: Segments) -> None:
         nb.gather(out, geom, [0, 1, 2, 3], regs)
         assert torch.equal(_bytes(out), _bytes(src))
         del out
+
+
+@pytest.mark.parametrize("kernel", ["stream", "stream_avx2", "stream_sse2"])
+@pytest.mark.parametrize("pages", [1, 3, 8, 64])
+def test_streaming_interleave_exact(kernel: str, pages: int) -> None:
+    """Streaming copies walking several 4 KiB pages in lock step copy every byte exactly.
+
+    Lengths and offsets straddle the interleaved blocks (pages x 4 KiB), the alignment
+    head and the linear tail; the bytes around the destination stay untouched.
+    """
+    old_kernel, old_pages = _native.get_copy_kernel(), _native.get_stream_interleave()
+    rng = random.Random(pages * 31 + len(kernel))
+    size = 3 << 20
+    src = torch.randint(0, 256, (size,), dtype=torch.uint8)
+    dst = torch.zeros(size + 256, dtype=torch.uint8)
+    _native.set_copy_kernel(kernel)
+    _native.set_stream_interleave(pages)
+    try:
+        block = pages * 4096
+        lengths = [block, block + 1, 2 * block - 64, 2 * block + 4095, 5 * block + 257,
+                   rng.randrange(block, size - 128), size - 128, 300, 64 * 1024 + 17]
+        for n in lengths:
+            n = min(n, size - 128)
+            so, do = rng.randrange(0, 128), rng.randrange(0, 128)
+            dst.fill_(0xA5)
+            _native.memcpy(dst.data_ptr() + do, src.data_ptr() + so, n)
+            assert torch.equal(dst[do:do + n], src[so:so + n]), (kernel, pages, n, so, do)
+            assert bool((dst[:do] == 0xA5).all()) and bool((dst[do + n:] == 0xA5).all())
+    finally:
+        _native.set_copy_kernel(old_kernel)
+        _native.set_stream_interleave(old_pages)
+
+
+@pytest.mark.parametrize("bad", [0, -1, 65])
+def test_streaming_interleave_rejects_out_of_range(bad: int) -> None:
+    old = _native.get_stream_interleave()
+    with pytest.raises(ValueError, match=r"pages must be in \[1, 64\]"):
+        _native.set_stream_interleave(bad)
+    assert _native.get_stream_interleave() == old == _native.config()["stream_interleave"]
