@@ -37,8 +37,11 @@ constexpr size_t kCachedPiece = 256 << 10;
 // Streaming copies walk this many 4 KiB pages in lock step, 128 bytes of each in turn.
 // The hardware prefetchers stop at page boundaries, so one linear stream per core leaves
 // memory idle at every page change; several streams a page apart keep more misses in
-// flight. Measured (benches/bench_copy.py, "kernel" table, 2-core VM, 512 MiB in 512 KiB
-// runs, 4 KiB pages): 2 threads 33-37 -> 26-29 ms, 1 thread 64 -> 49 ms (1 page = linear).
+// flight (glibc's large-copy path interleaves 4 pages for the same reason). Measured
+// (benches/bench_copy.py --kernels-only, 2-core VM, 512 MiB in 512 KiB runs, 4 KiB pages):
+// 2 threads 33-37 -> 26-29 ms (1 page = linear; one thread in a standalone loop 64 -> 49
+// ms); 4 and 16 pages within noise of 8. Strided rows (tensor-parallel shards, < 32 KiB)
+// stay linear: a row-interleaved variant was within noise.
 constexpr int kDefaultInterleavePages = 8;
 constexpr size_t kPage = 4096;
 constexpr size_t kInterleaveStep = 128;
