@@ -20,6 +20,7 @@
 #include "result_buffer.hpp"
 #include "shm_mapping.hpp"
 #include "thread_pool.hpp"
+#include "uffd_fill.hpp"
 
 namespace py = pybind11;
 using namespace pybind11::literals;
@@ -75,6 +76,109 @@ double auto_cold_write_fraction(int threads) {
   return kWrite / (kWrite + kFault * static_cast<double>(threads - 1));
 }
 
+std::atomic<uint64_t> g_stat_uffd_bytes{0};  // scattered into cold pages with UFFDIO_COPY
+
+// Write the plan's ops with write(2) on their segment files (flat runs only): the path
+// that reports a full file system as ENOSPC instead of SIGBUS. Returns the errno (0: ok).
+int write_through_files(const std::vector<FillJob>& parts, const std::vector<Mapping*>& owner_of) {
+  std::vector<FileWrite> files;
+  uint64_t bytes = 0;
+  for (const FillJob& p : parts) {
+    Mapping* m = owner_of[static_cast<size_t>(p.tag)];
+    files.push_back(FileWrite{m->fd(), reinterpret_cast<uintptr_t>(p.dst) - m->address(),
+                              p.len, {iovec{const_cast<char*>(p.src), p.len}}});
+    bytes += p.len;
+  }
+  const int err = execute_with_files(CopyPlan{}, files);
+  if (err == 0) g_stat_file_bytes += bytes;
+  return err;
+}
+
+// Scatter with the flat cold regions filled by UFFDIO_COPY (uffd_fill.hpp): their
+// page-aligned interiors on the pool threads, then (after unregistering) everything else
+// through the mapping. Returns false when userfaultfd cannot be used (nothing copied).
+bool scatter_cold_uffd(const CopyPlan& plan, const std::vector<Mapping*>& owner_of,
+                       const std::vector<int64_t>& addrs, const std::vector<int64_t>& lens,
+                       const std::vector<char>& cold, const std::vector<char>& flat) {
+  const uint64_t page = static_cast<uint64_t>(sysconf(_SC_PAGESIZE));
+  auto up = [&](uint64_t a) { return (a + page - 1) / page * page; };
+  auto down = [&](uint64_t a) { return a / page * page; };
+  const size_t n = addrs.size();
+  std::vector<std::pair<uintptr_t, uint64_t>> ranges;
+  std::vector<char> use(n, 0);
+  for (size_t j = 0; j < n; ++j) {
+    if (!cold[j] || !flat[j]) continue;
+    const uint64_t lo = up(static_cast<uint64_t>(addrs[j]));
+    const uint64_t hi = down(static_cast<uint64_t>(addrs[j]) + static_cast<uint64_t>(lens[j]));
+    if (hi > lo) {
+      ranges.emplace_back(static_cast<uintptr_t>(lo), hi - lo);
+      use[j] = 1;
+    }
+  }
+  if (ranges.empty()) return false;
+  // Whole pages of each used region's runs are filled; the rest (partial pages, other
+  // regions) is copied through the mapping once the ranges are unregistered.
+  std::vector<FillJob> jobs;
+  CopyPlan after;
+  after.reserve(plan.size());
+  uint64_t cold_mapped = 0;
+  for (const CopyOp& op : plan.ops()) {
+    const auto j = static_cast<size_t>(op.tag);
+    const bool tagged = op.tag >= 0 && j < n;
+    if (!tagged || !use[j]) {
+      const bool c = tagged && cold[j];
+      if (c) cold_mapped += op.rows * op.row_bytes;
+      after.add(op.dst, op.src, op.rows, op.row_bytes, op.dst_pitch, op.src_pitch, op.tag, c);
+      continue;
+    }
+    const auto d0 = reinterpret_cast<uintptr_t>(op.dst);
+    const uint64_t lo = up(d0);
+    const uint64_t hi = down(d0 + op.row_bytes);
+    if (hi <= lo) {
+      after.add(op.dst, op.src, 1, op.row_bytes, 0, 0, op.tag, true);
+      cold_mapped += op.row_bytes;
+      continue;
+    }
+    const uint64_t head = lo - d0;
+    const uint64_t tail = d0 + op.row_bytes - hi;
+    if (head) after.add(op.dst, op.src, 1, head, 0, 0, op.tag, true);
+    jobs.push_back(FillJob{op.dst + head, op.src + head, hi - lo, op.tag});
+    if (tail) after.add(op.dst + (hi - d0), op.src + (hi - d0), 1, tail, 0, 0, op.tag, true);
+    cold_mapped += head + tail;
+  }
+  FillResult res;
+  bool filled = false;
+  int err = 0;
+  {
+    py::gil_scoped_release nogil;
+    filled = uffd_fill(ranges, jobs, &res);
+    if (filled) {
+      if (res.err != 0) {
+        // A failure other than "page already there" (e.g. no memory for the page): the
+        // rest goes through write(2), which says ENOSPC where a fault would be SIGBUS.
+        const int e = write_through_files(res.rest, owner_of);
+        if (e == ENOSPC || e == EDQUOT) {
+          err = e;
+        } else if (e != 0) {  // the file refuses writes: through the mapping after all
+          for (const FillJob& p : res.rest) after.add(p.dst, p.src, 1, p.len, 0, 0, p.tag, true);
+        }
+      } else {
+        for (const FillJob& p : res.rest) after.add(p.dst, p.src, 1, p.len, 0, 0, p.tag, false);
+      }
+      after.execute();
+    }
+  }
+  if (!filled) return false;
+  g_stat_uffd_bytes += res.filled;
+  g_stat_cold_mapped += cold_mapped;
+  if (err != 0) {
+    errno = err;
+    PyErr_SetFromErrno(PyExc_OSError);
+    throw py::error_already_set();
+  }
+  return true;
+}
+
 // Scatter `plan` (validated, regions pinned) with cold destination regions written
 // through the segment file. Returns false when nothing is cold (caller runs the plan).
 bool scatter_cold_aware(const CopyPlan& plan, const std::vector<Mapping*>& owner_of,
@@ -100,6 +204,19 @@ bool scatter_cold_aware(const CopyPlan& plan, const std::vector<Mapping*>& owner
   }
   if (n_cold == 0) return false;
   g_stat_cold_regions += n_cold;
+  // Two or more threads: UFFDIO_COPY fills on all of them (one thread: write(2) is
+  // faster). Not near a full file system, where only write(2) fails cleanly.
+  if (get_threads() >= 2 && uffd_usable()) {
+    bool room = true;
+    std::vector<Mapping*> owners;
+    for (size_t j = 0; j < n && room; ++j) {
+      if (cold[j] && std::find(owners.begin(), owners.end(), owner_of[j]) == owners.end()) {
+        owners.push_back(owner_of[j]);
+        room = owner_of[j]->fs_free_bytes() >= cold_bytes + (64ull << 20);
+      }
+    }
+    if (room && scatter_cold_uffd(plan, owner_of, addrs, lens, cold, flat)) return true;
+  }
   double frac = setting < 0 ? auto_cold_write_fraction(get_threads()) : std::min(setting, 1.0);
   if (g_file_writes_disabled.load()) frac = 0.0;
   // Faulting a page into a full tmpfs raises SIGBUS; a write fails with ENOSPC instead.
@@ -407,8 +524,23 @@ PYBIND11_MODULE(_native, m) {
     d["cold_regions"] = g_stat_cold_regions.load();
     d["file_write_fallbacks"] = g_stat_file_fallbacks.load();
     d["file_writes_disabled"] = g_file_writes_disabled.load() ? 1 : 0;
+    d["uffd_fill_bytes"] = g_stat_uffd_bytes.load();
+    d["uffd_unavailable"] = uffd_unavailable() ? 1 : 0;
     return d;
   });
+  m.def("set_cold_uffd", &set_uffd_enabled, "enabled"_a,
+        "Fill a scatter's not-yet-allocated segment pages with UFFDIO_COPY on the copy "
+        "threads (default on; used with >= 2 threads where userfaultfd is available). "
+        "Enabling also retries a userfaultfd found unusable before.");
+  m.def("get_cold_uffd", &uffd_enabled);
+  m.def("_set_uffd_fault",
+        [](int err) {
+          if (err < 0) throw py::value_error("errno must be >= 0");
+          set_uffd_fault(err);
+        },
+        "err"_a,
+        "Testing only: every UFFDIO_COPY places half of its pages, then fails with errno "
+        "`err` (0: off).");
   m.def("_set_file_write_fault",
         [](int err) {
           if (err < 0) throw py::value_error("errno must be >= 0");

@@ -174,9 +174,26 @@ def copy_stats() -> dict[str, int]:
     """Process totals of the cold-store path.
 
     Keys: ``file_write_bytes``, ``cold_mapped_bytes``, ``cold_regions``,
-    ``file_write_fallbacks`` (scatters redone through the mapping after a refused write)
-    and ``file_writes_disabled`` (1 once a write failed other than with ENOSPC/EDQUOT).
+    ``file_write_fallbacks`` (scatters redone through the mapping after a refused write),
+    ``file_writes_disabled`` (1 once a write failed other than with ENOSPC/EDQUOT),
+    ``uffd_fill_bytes`` (placed with ``UFFDIO_COPY``) and ``uffd_unavailable`` (1 when
+    userfaultfd could not be used in this process).
     """
+
+def set_cold_uffd(enabled: bool) -> None:
+    """Fill not-yet-allocated segment pages with ``UFFDIO_COPY`` on the copy threads.
+
+    On by default and used when the pool has two or more threads and userfaultfd works
+    (Linux with ``UFFD_USER_MODE_ONLY`` since 5.11 needs no privilege; sandboxes may
+    refuse it): the kernel allocates each page, copies into it and maps it, with no
+    zeroing, no fault and no inode lock, so every thread fills at once. Otherwise the
+    ``pwritev`` / mapping split of :func:`set_cold_write_fraction` runs. Enabling also
+    retries a userfaultfd found unusable before.
+    """
+
+def get_cold_uffd() -> bool: ...
+def _set_uffd_fault(err: int) -> None:
+    """Testing only: every ``UFFDIO_COPY`` places half its pages, then fails with ``err``."""
 
 def _set_file_write_fault(err: int) -> None:
     """Testing only: every ``pwritev`` of a cold scatter fails with errno ``err`` (0: off)."""

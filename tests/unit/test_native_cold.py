@@ -1,9 +1,11 @@
 """Scatter into segment pages that do not exist yet (a fresh or punched server L1).
 
-The native core writes part of such regions with ``pwritev`` on the segment file (no page
-fault, no zeroing of a page the write covers) and the rest through the mapping with cached
-stores. Whatever the split, the bytes must be exactly those of the plain mapped copy, the
-mapping must see them at once, and resident regions must stay on the mapped path.
+With two or more copy threads the native core fills such regions with ``UFFDIO_COPY``
+(tests marked ``uffd``); otherwise, or where userfaultfd is unavailable, it writes part of
+them with ``pwritev`` on the segment file (no page fault, no zeroing of a page the write
+covers) and the rest through the mapping with cached stores. Whatever the split, the
+bytes must be exactly those of the plain mapped copy, the mapping must see them at once,
+and resident regions must stay on the mapped path.
 """
 
 from __future__ import annotations
@@ -49,12 +51,20 @@ def segment() -> Iterator[tuple[str, nb.NativeSegment]]:
 
 
 @pytest.fixture(autouse=True)
-def _restore_fraction() -> Iterator[None]:
+def _restore_fraction(request: pytest.FixtureRequest) -> Iterator[None]:
+    """Restore the cold-path settings; tests not marked ``uffd`` run without UFFDIO_COPY
+    (they pin down the write(2) / mapping split)."""
     before = _native.get_cold_write_fraction()
+    uffd_before = _native.get_cold_uffd()
+    threads_before = _native.get_threads()
+    _native.set_cold_uffd("uffd" in request.keywords)
     try:
         yield
     finally:
         _native.set_cold_write_fraction(before)
+        _native.set_cold_uffd(uffd_before)
+        _native.set_threads(threads_before)
+        _native._set_uffd_fault(0)
 
 
 def _punch(path: str) -> None:
@@ -279,3 +289,199 @@ def test_full_file_system_raises_enospc_instead_of_sigbus(
     assert _native.copy_stats()["file_writes_disabled"] == 0  # ENOSPC does not disable
     with pytest.raises(ValueError, match="errno"):
         _native._set_file_write_fault(-1)
+
+
+# --------------------------------------------------------------------------- UFFDIO_COPY
+
+
+def _scatter_cold(seg: nb.NativeSegment, kv: torch.Tensor, ids: list[int], geom: ChunkGeometry,
+                  n_regions: int, col_offset: int = 0) -> tuple[list, dict, dict]:
+    c = geom.chunk_nbytes
+    regions = seg.regions([_Slot(i * c, c) for i in range(n_regions)], c, 4096)
+    before = _native.copy_stats()
+    nb.scatter(kv, geom, ids, regions, col_offset=col_offset)
+    return regions, before, _native.copy_stats()
+
+
+@pytest.mark.uffd
+def test_uffd_fill_is_exact_and_used(segment: tuple[str, nb.NativeSegment]) -> None:
+    path, seg = segment
+    _native.set_threads(2)
+    kv = _kv(N_CHUNKS * 64, seed=11)
+    ids = list(reversed(range(N_CHUNKS)))
+    regions, before, after = _scatter_cold(seg, kv, ids, GEOM, N_CHUNKS)
+    total = N_CHUNKS * GEOM.chunk_nbytes
+    assert after["cold_regions"] - before["cold_regions"] == N_CHUNKS
+    filled = after["uffd_fill_bytes"] - before["uffd_fill_bytes"]
+    if after["uffd_unavailable"]:  # no userfaultfd here: the write(2) split did it
+        assert filled == 0 and after["file_write_bytes"] > before["file_write_bytes"]
+    else:
+        assert filled == total
+        assert after["file_write_bytes"] == before["file_write_bytes"]
+    on_file = _file_chunks(path)
+    for j, i in enumerate(ids):
+        assert torch.equal(on_file[j], kv[:, :, i * 64:(i + 1) * 64]), (j, i)
+    back = torch.zeros_like(kv)
+    nb.gather(back, GEOM, ids, regions)
+    assert torch.equal(back, kv)
+    # Punched again: filled again (the ranges were unregistered, the fd is reused).
+    _punch(path)
+    kv2 = _kv(N_CHUNKS * 64, seed=12)
+    nb.scatter(kv2, GEOM, ids, regions)
+    nb.gather(back, GEOM, ids, regions)
+    assert torch.equal(back, kv2)
+
+
+@pytest.mark.uffd
+def test_uffd_fill_unaligned_runs_and_regions() -> None:
+    """Runs and regions that are not whole pages: interiors filled, edges mapped."""
+    geom = ChunkGeometry(2, 3, 24, 200, 2)  # 19200-byte runs: 4.69 pages
+    c = geom.chunk_nbytes
+    n = 5
+    name = create_shm_segment(n * c + 3 * 4096, "cold-odd")
+    seg = nb.open_segment(name)
+    try:
+        _native.set_threads(2)
+        # slots at odd offsets, 64-byte aligned, with gaps between them
+        slots = [_Slot(100 * 64 + i * (c + 1088), c) for i in range(n)]
+        regions = seg.regions(slots, c, 64)
+        g = torch.Generator().manual_seed(13)
+        kv = torch.randn(2, 3, n * 24, 200, generator=g).to(torch.bfloat16)
+        nb.scatter(kv, geom, range(n), regions)
+        back = torch.zeros_like(kv)
+        nb.gather(back, geom, range(n), regions)
+        assert torch.equal(back, kv)
+        # the gaps between slots stay zero
+        raw = open(f"/dev/shm/{name}", "rb").read()  # noqa: SIM115 - read and closed at once
+        for i in range(n - 1):
+            gap = raw[slots[i].offset + c:slots[i + 1].offset]
+            assert gap == bytes(len(gap)), i
+    finally:
+        seg.close()
+        os.unlink(f"/dev/shm/{name}")
+
+
+@pytest.mark.uffd
+@pytest.mark.parametrize("err", [errno.EEXIST, errno.ENOMEM, errno.EFAULT])
+def test_uffd_partial_fill_failures_finish_exactly(segment: tuple[str, nb.NativeSegment],
+                                                   err: int) -> None:
+    """Every UFFDIO_COPY places half its pages then fails: the rest is copied (EEXIST:
+    through the mapping; other errors: through write(2)), byte-exact."""
+    path, seg = segment
+    _native.set_threads(2)
+    _native._set_uffd_fault(err)
+    kv = _kv(N_CHUNKS * 64, seed=14)
+    regions, before, after = _scatter_cold(seg, kv, list(range(N_CHUNKS)), GEOM, N_CHUNKS)
+    if not after["uffd_unavailable"]:
+        filled = after["uffd_fill_bytes"] - before["uffd_fill_bytes"]
+        assert 0 < filled < N_CHUNKS * GEOM.chunk_nbytes
+        wrote = after["file_write_bytes"] - before["file_write_bytes"]
+        assert (wrote == 0) if err == errno.EEXIST else (wrote > 0)
+    back = torch.zeros_like(kv)
+    nb.gather(back, GEOM, range(N_CHUNKS), regions)
+    assert torch.equal(back, kv)
+    on_file = _file_chunks(path)
+    for i in range(N_CHUNKS):
+        assert torch.equal(on_file[i], kv[:, :, i * 64:(i + 1) * 64]), i
+
+
+@pytest.mark.uffd
+def test_uffd_fill_failure_on_a_full_file_system_raises_enospc(
+        segment: tuple[str, nb.NativeSegment]) -> None:
+    """A fill that runs out of memory continues with write(2); a full tmpfs then says ENOSPC."""
+    _, seg = segment
+    _native.set_threads(2)
+    _native._set_uffd_fault(errno.ENOMEM)
+    _native._set_file_write_fault(errno.ENOSPC)
+    try:
+        c = GEOM.chunk_nbytes
+        regions = seg.regions([_Slot(i * c, c) for i in range(N_CHUNKS)], c, 4096)
+        if _native.copy_stats()["uffd_unavailable"]:
+            pytest.skip("userfaultfd unavailable: covered by the write(2) ENOSPC test")
+        with pytest.raises(OSError) as ei:
+            nb.scatter(_kv(N_CHUNKS * 64, seed=15), GEOM, range(N_CHUNKS), regions)
+        assert ei.value.errno == errno.ENOSPC
+    finally:
+        _native._set_file_write_fault(0)
+
+
+@pytest.mark.uffd
+def test_uffd_mixed_regions_tp_shard_and_resident(segment: tuple[str, nb.NativeSegment]) -> None:
+    """Resident regions and strided (TP shard) cold regions stay on the mapping, unregistered."""
+    _, seg = segment
+    _native.set_threads(2)
+    shard = ChunkGeometry(2, 4, 64, 128, 2)
+    c = shard.chunk_nbytes
+    regions = seg.regions([_Slot(i * c, c) for i in range(2 * N_CHUNKS)], c, 4096)
+    kv = _kv(N_CHUNKS * 64, seed=16)
+    nb.scatter(kv, shard, range(4), regions[:4], col_offset=128)  # cold, strided: mapped
+    half = regions[4:8] + regions[N_CHUNKS:N_CHUNKS + 4]  # 4 resident-to-be + 4 cold
+    flat = ChunkGeometry(2, 4, 64, 128, 2)
+    x = torch.randn(2, 4, 8 * 64, 128, generator=torch.Generator().manual_seed(17))
+    x = x.to(torch.bfloat16)
+    nb.scatter(x[:, :, :4 * 64].contiguous(), flat, range(4), half[:4])  # now resident
+    before = _native.copy_stats()
+    nb.scatter(x, flat, range(8), half)
+    after = _native.copy_stats()
+    assert after["cold_regions"] - before["cold_regions"] == 4
+    back = torch.zeros_like(x)
+    nb.gather(back, flat, range(8), half)
+    assert torch.equal(back, x)
+    b2 = torch.zeros_like(kv)
+    nb.gather(b2, shard, range(4), regions[:4], col_offset=128)
+    assert torch.equal(b2[:, :, :4 * 64, 128:], kv[:, :, :4 * 64, 128:])
+
+
+@pytest.mark.uffd
+def test_uffd_concurrent_scatters_and_fork(segment: tuple[str, nb.NativeSegment]) -> None:
+    """Two threads fill disjoint cold regions at once; a forked child fills with its own fd."""
+    import threading
+
+    path, seg = segment
+    _native.set_threads(2)
+    c = GEOM.chunk_nbytes
+    regions = seg.regions([_Slot(i * c, c) for i in range(N_CHUNKS)], c, 4096)
+    kvs = [_kv(4 * 64, seed=20 + t) for t in range(2)]
+    errors: list[BaseException] = []
+
+    def work(t: int) -> None:
+        try:
+            for _ in range(3):
+                nb.scatter(kvs[t], GEOM, range(4), regions[4 * t:4 * t + 4])
+        except BaseException as e:  # pragma: no cover - reported below
+            errors.append(e)
+
+    threads = [threading.Thread(target=work, args=(t,)) for t in range(2)]
+    for th in threads:
+        th.start()
+    for th in threads:
+        th.join(60)
+    assert not errors and not any(th.is_alive() for th in threads)
+    for t in range(2):
+        back = torch.zeros_like(kvs[t])
+        nb.gather(back, GEOM, range(4), regions[4 * t:4 * t + 4])
+        assert torch.equal(back, kvs[t])
+    _punch(path)
+    kv = _kv(N_CHUNKS * 64, seed=30)
+    pid = os.fork()
+    if pid == 0:  # pragma: no cover - child
+        code = 1
+        try:
+            nb.scatter(kv, GEOM, range(N_CHUNKS), regions)
+            code = 0
+        finally:
+            os._exit(code)
+    _, status = os.waitpid(pid, 0)
+    assert os.waitstatus_to_exitcode(status) == 0
+    on_file = _file_chunks(path)
+    for i in range(N_CHUNKS):
+        assert torch.equal(on_file[i], kv[:, :, i * 64:(i + 1) * 64]), i
+
+
+def test_uffd_setting_round_trip() -> None:
+    _native.set_cold_uffd(True)
+    assert _native.get_cold_uffd() is True
+    _native.set_cold_uffd(False)
+    assert _native.get_cold_uffd() is False
+    with pytest.raises(ValueError, match="errno"):
+        _native._set_uffd_fault(-1)
