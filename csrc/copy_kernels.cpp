@@ -61,139 +61,63 @@ inline size_t align_head(char* dst, const char* src, size_t n, size_t a) {
   return head;
 }
 
-// The page-interleaved part of a streaming copy (dst aligned for `Step`): whole blocks of
-// `pages` x 4 KiB, each walked as `pages` streams 4 KiB apart, `Step(dst, src)` copying 128
-// bytes. Returns the bytes done (a multiple of the block).
-template <typename Step>
-__attribute__((always_inline)) inline size_t stream_interleaved(char* dst, const char* src, size_t n, Step step) {
+// A streaming copy: memcpy until dst is `A`-aligned, then whole blocks of `pages` x 4 KiB
+// walked as `pages` streams 4 KiB apart (1 page: one linear stream), then linearly, with
+// `step(dst, src)` copying 128 bytes with non-temporal stores; memcpy for the last < 128.
+template <size_t A, typename Step>
+__attribute__((always_inline)) inline void stream_copy(char* dst, const char* src, size_t n,
+                                                       Step step) {
+  const size_t head = align_head(dst, src, n, A);
+  dst += head;
+  src += head;
+  n -= head;
   const int pages = g_interleave_pages.load(std::memory_order_relaxed);
-  if (pages <= 1) return 0;
-  const size_t block = static_cast<size_t>(pages) * kPage;
-  const size_t blocks = n / block;
-  for (size_t b = 0; b < blocks; ++b) {
-    char* d = dst + b * block;
-    const char* s = src + b * block;
-    for (size_t off = 0; off < kPage; off += kInterleaveStep) {
-      for (size_t k = 0; k < static_cast<size_t>(pages); ++k) {
-        step(d + k * kPage + off, s + k * kPage + off);
+  if (pages > 1) {
+    const size_t block = static_cast<size_t>(pages) * kPage;
+    for (; n >= block; n -= block, dst += block, src += block) {
+      for (size_t off = 0; off < kPage; off += kInterleaveStep) {
+        for (size_t k = 0; k < static_cast<size_t>(pages); ++k) {
+          step(dst + k * kPage + off, src + k * kPage + off);
+        }
       }
     }
   }
-  return blocks * block;
+  for (; n >= kInterleaveStep; n -= kInterleaveStep, dst += kInterleaveStep,
+                               src += kInterleaveStep) {
+    step(dst, src);
+  }
+  if (n) std::memcpy(dst, src, n);
 }
 
 __attribute__((target("avx512f"))) void stream_avx512(char* dst, const char* src, size_t n) {
-  size_t done = align_head(dst, src, n, 64);
-  dst += done;
-  src += done;
-  n -= done;
-  done = stream_interleaved(dst, src, n, [](char* d, const char* s) __attribute__((target("avx512f"))) {
+  stream_copy<64>(dst, src, n, [](char* d, const char* s) __attribute__((target("avx512f"))) {
     const __m512i a = _mm512_loadu_si512(reinterpret_cast<const void*>(s));
     const __m512i b = _mm512_loadu_si512(reinterpret_cast<const void*>(s + 64));
     _mm512_stream_si512(reinterpret_cast<__m512i*>(d), a);
     _mm512_stream_si512(reinterpret_cast<__m512i*>(d + 64), b);
   });
-  dst += done;
-  src += done;
-  n -= done;
-  while (n >= 256) {
-    const __m512i a = _mm512_loadu_si512(reinterpret_cast<const void*>(src));
-    const __m512i b = _mm512_loadu_si512(reinterpret_cast<const void*>(src + 64));
-    const __m512i c = _mm512_loadu_si512(reinterpret_cast<const void*>(src + 128));
-    const __m512i d = _mm512_loadu_si512(reinterpret_cast<const void*>(src + 192));
-    _mm512_stream_si512(reinterpret_cast<__m512i*>(dst), a);
-    _mm512_stream_si512(reinterpret_cast<__m512i*>(dst + 64), b);
-    _mm512_stream_si512(reinterpret_cast<__m512i*>(dst + 128), c);
-    _mm512_stream_si512(reinterpret_cast<__m512i*>(dst + 192), d);
-    src += 256;
-    dst += 256;
-    n -= 256;
-  }
-  while (n >= 64) {
-    _mm512_stream_si512(reinterpret_cast<__m512i*>(dst),
-                        _mm512_loadu_si512(reinterpret_cast<const void*>(src)));
-    src += 64;
-    dst += 64;
-    n -= 64;
-  }
-  if (n) std::memcpy(dst, src, n);
 }
 
 __attribute__((target("avx2"))) void stream_avx2(char* dst, const char* src, size_t n) {
-  size_t done = align_head(dst, src, n, 32);
-  dst += done;
-  src += done;
-  n -= done;
-  done = stream_interleaved(dst, src, n, [](char* d, const char* s) __attribute__((target("avx2"))) {
-    const __m256i a = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(s));
-    const __m256i b = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(s + 32));
-    const __m256i c = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(s + 64));
-    const __m256i e = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(s + 96));
-    _mm256_stream_si256(reinterpret_cast<__m256i*>(d), a);
-    _mm256_stream_si256(reinterpret_cast<__m256i*>(d + 32), b);
-    _mm256_stream_si256(reinterpret_cast<__m256i*>(d + 64), c);
-    _mm256_stream_si256(reinterpret_cast<__m256i*>(d + 96), e);
+  stream_copy<32>(dst, src, n, [](char* d, const char* s) __attribute__((target("avx2"))) {
+    for (size_t i = 0; i < kInterleaveStep; i += 64) {
+      const __m256i a = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(s + i));
+      const __m256i b = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(s + i + 32));
+      _mm256_stream_si256(reinterpret_cast<__m256i*>(d + i), a);
+      _mm256_stream_si256(reinterpret_cast<__m256i*>(d + i + 32), b);
+    }
   });
-  dst += done;
-  src += done;
-  n -= done;
-  while (n >= 128) {
-    const __m256i a = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(src));
-    const __m256i b = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(src + 32));
-    const __m256i c = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(src + 64));
-    const __m256i d = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(src + 96));
-    _mm256_stream_si256(reinterpret_cast<__m256i*>(dst), a);
-    _mm256_stream_si256(reinterpret_cast<__m256i*>(dst + 32), b);
-    _mm256_stream_si256(reinterpret_cast<__m256i*>(dst + 64), c);
-    _mm256_stream_si256(reinterpret_cast<__m256i*>(dst + 96), d);
-    src += 128;
-    dst += 128;
-    n -= 128;
-  }
-  while (n >= 32) {
-    _mm256_stream_si256(reinterpret_cast<__m256i*>(dst),
-                        _mm256_loadu_si256(reinterpret_cast<const __m256i*>(src)));
-    src += 32;
-    dst += 32;
-    n -= 32;
-  }
-  if (n) std::memcpy(dst, src, n);
 }
 
 void stream_sse2(char* dst, const char* src, size_t n) {
-  size_t done = align_head(dst, src, n, 16);
-  dst += done;
-  src += done;
-  n -= done;
-  done = stream_interleaved(dst, src, n, [](char* d, const char* s) {
-    for (size_t i = 0; i < kInterleaveStep; i += 64) {
+  stream_copy<16>(dst, src, n, [](char* d, const char* s) {
+    for (size_t i = 0; i < kInterleaveStep; i += 32) {
       const __m128i a = _mm_loadu_si128(reinterpret_cast<const __m128i*>(s + i));
       const __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(s + i + 16));
-      const __m128i c = _mm_loadu_si128(reinterpret_cast<const __m128i*>(s + i + 32));
-      const __m128i e = _mm_loadu_si128(reinterpret_cast<const __m128i*>(s + i + 48));
       _mm_stream_si128(reinterpret_cast<__m128i*>(d + i), a);
       _mm_stream_si128(reinterpret_cast<__m128i*>(d + i + 16), b);
-      _mm_stream_si128(reinterpret_cast<__m128i*>(d + i + 32), c);
-      _mm_stream_si128(reinterpret_cast<__m128i*>(d + i + 48), e);
     }
   });
-  dst += done;
-  src += done;
-  n -= done;
-  while (n >= 64) {
-    const __m128i a = _mm_loadu_si128(reinterpret_cast<const __m128i*>(src));
-    const __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(src + 16));
-    const __m128i c = _mm_loadu_si128(reinterpret_cast<const __m128i*>(src + 32));
-    const __m128i d = _mm_loadu_si128(reinterpret_cast<const __m128i*>(src + 48));
-    _mm_stream_si128(reinterpret_cast<__m128i*>(dst), a);
-    _mm_stream_si128(reinterpret_cast<__m128i*>(dst + 16), b);
-    _mm_stream_si128(reinterpret_cast<__m128i*>(dst + 32), c);
-    _mm_stream_si128(reinterpret_cast<__m128i*>(dst + 48), d);
-    src += 64;
-    dst += 64;
-    n -= 64;
-  }
-  if (n) std::memcpy(dst, src, n);
 }
 
 inline void store_fence() { _mm_sfence(); }

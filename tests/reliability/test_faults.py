@@ -248,9 +248,10 @@ def test_client_sigkill_between_prepare_and_commit_is_reaped(fault_server: LMCac
 
 
 def test_store_into_a_full_dev_shm_is_an_error_not_a_crash() -> None:
-    """/dev/shm cannot give the pool a page (ENOSPC, injected at the pwritev the cold-store
-    path uses; a fault through the mapping would be SIGBUS): that store fails with a
-    KVCacheSDKError saying so; the process and the context go on."""
+    """/dev/shm cannot give the pool a page (ENOSPC, injected at the UFFDIO_COPY fill and
+    at the pwritev the cold-store path continues with; a fault through the mapping would
+    be SIGBUS): that store fails with a KVCacheSDKError saying so; the process and the
+    context go on."""
     from lmcache_kv_fast import _native
     from lmcache_kv_fast.testing.benchmark import punch_segment
 
@@ -259,12 +260,14 @@ def test_store_into_a_full_dev_shm_is_an_error_not_a_crash() -> None:
         with lkf.connect(srv.url, srv.http_url, m.name, timeout=TIMEOUT) as ctx:
             assert punch_segment(f"/dev/shm/{srv.pool_segment}")  # L1 empty: all pages fresh
             try:
-                _native._set_file_write_fault(28)  # ENOSPC
+                _native._set_uffd_fault(28)  # ENOSPC (when userfaultfd fills are used)
+                _native._set_file_write_fault(28)
                 with pytest.raises(lkf.KVCacheSDKError, match="full") as ei:
                     ctx.store(m.kv(2 * C, seed=1), rand_tokens(2 * C, seed=1))
                 assert "/dev/shm/" in str(ei.value)
             finally:
                 _native._set_file_write_fault(0)
+                _native._set_uffd_fault(0)
             toks = rand_tokens(2 * C, seed=2)
             assert ctx.store(m.kv(2 * C, seed=2), toks)
             assert torch.equal(ctx.retrieve(toks), m.kv(2 * C, seed=2))

@@ -77,6 +77,16 @@ def _file_chunks(path: str) -> torch.Tensor:
     return torch.frombuffer(raw, dtype=torch.bfloat16).view(N_CHUNKS, *GEOM.object_shape())
 
 
+def _assert_holds(path: str, regions: list, kv: torch.Tensor, ids: list[int]) -> None:
+    """The file and the mapping (read back with a gather) both hold exactly the chunks."""
+    on_file = _file_chunks(path)
+    for j, i in enumerate(ids):
+        assert torch.equal(on_file[j], kv[:, :, i * 64:(i + 1) * 64]), (j, i)
+    back = torch.zeros_like(kv)
+    nb.gather(back, GEOM, ids, regions)
+    assert torch.equal(back, kv)
+
+
 def _kv(tokens: int, seed: int) -> torch.Tensor:
     g = torch.Generator().manual_seed(seed)
     return torch.randn(2, 4, tokens, 256, generator=g).to(torch.bfloat16)
@@ -101,13 +111,7 @@ def test_cold_scatter_is_exact(segment: tuple[str, nb.NativeSegment], fraction: 
         assert file_bytes == expected
     else:
         assert 0 < file_bytes <= total
-    # The file and the mapping (read back with a gather) both hold exactly the chunks.
-    on_file = _file_chunks(path)
-    for j, i in enumerate(ids):
-        assert torch.equal(on_file[j], kv[:, :, i * 64:(i + 1) * 64]), (j, i)
-    back = torch.zeros_like(kv)
-    nb.gather(back, GEOM, ids, regions)
-    assert torch.equal(back, kv)
+    _assert_holds(path, regions, kv, ids)
 
 
 def test_resident_regions_stay_on_the_mapping(segment: tuple[str, nb.NativeSegment]) -> None:
@@ -318,18 +322,12 @@ def test_uffd_fill_is_exact_and_used(segment: tuple[str, nb.NativeSegment]) -> N
     else:
         assert filled == total
         assert after["file_write_bytes"] == before["file_write_bytes"]
-    on_file = _file_chunks(path)
-    for j, i in enumerate(ids):
-        assert torch.equal(on_file[j], kv[:, :, i * 64:(i + 1) * 64]), (j, i)
-    back = torch.zeros_like(kv)
-    nb.gather(back, GEOM, ids, regions)
-    assert torch.equal(back, kv)
+    _assert_holds(path, regions, kv, ids)
     # Punched again: filled again (the ranges were unregistered, the fd is reused).
     _punch(path)
     kv2 = _kv(N_CHUNKS * 64, seed=12)
     nb.scatter(kv2, GEOM, ids, regions)
-    nb.gather(back, GEOM, ids, regions)
-    assert torch.equal(back, kv2)
+    _assert_holds(path, regions, kv2, ids)
 
 
 @pytest.mark.uffd
@@ -377,12 +375,7 @@ def test_uffd_partial_fill_failures_finish_exactly(segment: tuple[str, nb.Native
         assert 0 < filled < N_CHUNKS * GEOM.chunk_nbytes
         wrote = after["file_write_bytes"] - before["file_write_bytes"]
         assert (wrote == 0) if err == errno.EEXIST else (wrote > 0)
-    back = torch.zeros_like(kv)
-    nb.gather(back, GEOM, range(N_CHUNKS), regions)
-    assert torch.equal(back, kv)
-    on_file = _file_chunks(path)
-    for i in range(N_CHUNKS):
-        assert torch.equal(on_file[i], kv[:, :, i * 64:(i + 1) * 64]), i
+    _assert_holds(path, regions, kv, list(range(N_CHUNKS)))
 
 
 @pytest.mark.uffd
