@@ -116,6 +116,18 @@ bool scatter_cold_uffd(const CopyPlan& plan, const std::vector<Mapping*>& owner_
     }
   }
   if (ranges.empty()) return false;
+  // One registration per run of adjacent slots (each splits the mapping's VMA until it
+  // is unregistered; a store's slots are usually contiguous).
+  std::sort(ranges.begin(), ranges.end());
+  std::vector<std::pair<uintptr_t, uint64_t>> merged;
+  for (const auto& r : ranges) {
+    if (!merged.empty() && merged.back().first + merged.back().second == r.first) {
+      merged.back().second += r.second;
+    } else {
+      merged.push_back(r);
+    }
+  }
+  ranges.swap(merged);
   // Whole pages of each used region's runs are filled; the rest (partial pages, other
   // regions) is copied through the mapping once the ranges are unregistered.
   std::vector<FillJob> jobs;

@@ -86,7 +86,11 @@ class Registration {
     reg.mode = UFFDIO_REGISTER_MODE_MISSING;
     if (ioctl(fd_, UFFDIO_REGISTER, &reg) != 0) return false;
     ranges_.emplace_back(start, len);
-    return (reg.ioctls & (1ull << _UFFDIO_COPY)) != 0;
+    if ((reg.ioctls & (1ull << _UFFDIO_COPY)) == 0) {
+      errno = EOPNOTSUPP;
+      return false;
+    }
+    return true;
   }
 
  private:
@@ -148,9 +152,11 @@ bool uffd_fill(const std::vector<std::pair<uintptr_t, uint64_t>>& ranges,
   const uint64_t page = static_cast<uint64_t>(sysconf(_SC_PAGESIZE));
   Registration reg(fd);
   for (const auto& r : ranges) {
-    if (r.first % page != 0 || r.second % page != 0 || r.second == 0 ||
-        !reg.add(r.first, r.second)) {
-      g_unavailable.store(true);  // e.g. a kernel without shmem support: stop trying
+    if (r.first % page != 0 || r.second % page != 0 || r.second == 0) return false;
+    if (!reg.add(r.first, r.second)) {
+      // Out of memory or of mappings (each registration splits a VMA): this fill only.
+      // Anything else (e.g. a kernel without shmem support): stop trying.
+      if (errno != ENOMEM) g_unavailable.store(true);
       return false;
     }
   }
