@@ -8,7 +8,9 @@
 
 #include <algorithm>
 #include <atomic>
+#include <cstdlib>
 #include <mutex>
+#include <string>
 
 #include "thread_pool.hpp"
 
@@ -24,7 +26,13 @@ namespace lmckv {
 
 namespace {
 
-std::atomic<bool> g_enabled{true};
+// LMCACHE_KV_FAST_COLD_UFFD=0 turns fills off from the start (set_uffd_enabled() later).
+bool enabled_by_env() {
+  const char* v = std::getenv("LMCACHE_KV_FAST_COLD_UFFD");
+  return v == nullptr || std::string(v) != "0";
+}
+
+std::atomic<bool> g_enabled{enabled_by_env()};
 std::atomic<bool> g_unavailable{false};
 std::atomic<int> g_fault{0};
 

@@ -478,3 +478,18 @@ def test_uffd_setting_round_trip() -> None:
     assert _native.get_cold_uffd() is False
     with pytest.raises(ValueError, match="errno"):
         _native._set_uffd_fault(-1)
+
+
+@pytest.mark.parametrize(("value", "expected"), [(None, True), ("1", True), ("0", False)])
+def test_uffd_env_switch(value: str | None, expected: bool) -> None:
+    """LMCACHE_KV_FAST_COLD_UFFD=0 starts the process with fills off."""
+    import subprocess
+    import sys
+
+    env = {k: v for k, v in os.environ.items() if k != "LMCACHE_KV_FAST_COLD_UFFD"}
+    if value is not None:
+        env["LMCACHE_KV_FAST_COLD_UFFD"] = value
+    out = subprocess.run(
+        [sys.executable, "-c", "from lmcache_kv_fast import _native; print(_native.get_cold_uffd())"],
+        env=env, capture_output=True, text=True, timeout=120, check=True)
+    assert out.stdout.strip() == str(expected)
