@@ -636,6 +636,8 @@ class _Worker:
         st = self.cur
         if st is None:
             return
+        if st.record and i >= st.warmup:
+            self._ping(st)
         for v in list(st.live):
             self.activate(v)
             op = _recorded_op(st.op, v)
@@ -653,6 +655,26 @@ class _Worker:
                             "" if dt is not None else f"{op} reported a failure",
                             rep=i - st.warmup, during=st.op, phases=self.phases)
         self.activate(Variant("reset"))
+
+    def _ping(self, st: _OpState) -> None:
+        """Time one ``ping`` round trip on each server of the op (this SDK's workers).
+
+        A ping is dispatched like ``lookup`` (to a pool thread of the server) and does no
+        work: its round trip is the floor under every RPC of the op's calls, taken between
+        the op's reps, under the same load. Kept in ``info["ping_s"][server][op]``.
+        """
+        if self.kind == "upstream" or st.op == "W3":
+            return
+        for server in dict.fromkeys(v.server for v in st.live if not v.roofline):
+            ctx = next((c for (srv, _m), c in self._ctxs.items() if srv == server), None)
+            if ctx is None:
+                continue
+            t0 = time.perf_counter()
+            ok = ctx.ping()
+            dt = time.perf_counter() - t0
+            if ok:
+                self.info.setdefault("ping_s", {}).setdefault(server, {}).setdefault(
+                    st.op, []).append(dt)
 
     def end(self) -> None:
         """Finish the current op (free its buffers) and save the samples."""
@@ -1385,12 +1407,28 @@ def print_latency(rows: dict[tuple[str, str], Row], out: Any = None) -> None:
                   f"{r.p99 * 1e3:8.2f} {_fmt(ratio):>15s}", file=out)
 
 
+def merge_pings(infos: Sequence[dict[str, Any]]) -> dict[str, dict[str, list[float]]]:
+    """The workers' ping round trips, per server and op (see ``_Worker._ping``)."""
+    out: dict[str, dict[str, list[float]]] = {}
+    for info in infos:
+        for server, ops in (info.get("ping_s") or {}).items():
+            for op, xs in ops.items():
+                out.setdefault(server, {}).setdefault(op, []).extend(xs)
+    return out
+
+
 def phase_summary(records: dict[tuple[str, str], dict[str, Any]],
-                  default_threads: int) -> list[dict[str, Any]]:
+                  default_threads: int,
+                  pings: dict[str, dict[str, list[float]]] | None = None
+                  ) -> list[dict[str, Any]]:
     """Median phases (``ctx.last_timing``) of this SDK's calls, per path and workload.
 
     ``copy_x_roof`` is the roofline copy's median time over the call's median copy time
-    (1.0: the chunk copy runs as fast as a flat memcpy of the same bytes).
+    (1.0: the chunk copy runs as fast as a flat memcpy of the same bytes). With ``pings``
+    (:func:`merge_pings`), ``ping_s`` is the median ``ping`` round trip to the path's server
+    between the op's reps, ``rtt_s`` = ``rpcs`` x ``ping_s`` (the replies' share that a
+    no-op RPC costs too) and ``server_s`` = ``wait_s`` - ``rtt_s`` (the server's work on the
+    calls' requests, queueing behind its own threads included); None without pings.
     """
     out: list[dict[str, Any]] = []
     for op in OP_ORDER:
@@ -1406,7 +1444,13 @@ def phase_summary(records: dict[tuple[str, str], dict[str, Any]],
             x_roof = None
             if roof and roof["samples"] and med["copy_s"] > 0:
                 x_roof = statistics.median(roof["samples"]) / med["copy_s"]
-            out.append({"path": path, "op": op, "n": len(phases), **med, "copy_x_roof": x_roof})
+            server = "pickle" if path == KVF_PICKLE else "shm"
+            xs = ((pings or {}).get(server) or {}).get(op) or []
+            ping = statistics.median(xs) if xs else None
+            rtt = None if ping is None else med["rpcs"] * ping
+            out.append({"path": path, "op": op, "n": len(phases), **med, "copy_x_roof": x_roof,
+                        "ping_s": ping, "rtt_s": rtt,
+                        "server_s": None if rtt is None else max(0.0, med["wait_s"] - rtt)})
     return out
 
 
@@ -1417,20 +1461,27 @@ def print_phases(phases: Sequence[dict[str, Any]], default_threads: int,
     show = [p for p in phases if p["path"] in (kvf_native(default_threads), KVF_PICKLE)]
     if not show:
         return
+
+    def ms(x: float | None) -> str:
+        return "-" if x is None else f"{x * 1e3:.2f}"
+
     hdr = (f"{'where the time goes':22s} {'path':22s} {'total ms':>9s} {'waits ms':>9s} "
-           f"{'rpcs':>5s} {'copy ms':>8s} {'alloc ms':>8s} {'client ms':>9s} "
-           f"{'copy x roof':>11s}")
+           f"{'rpcs':>5s} {'rtt ms':>7s} {'server ms':>9s} {'copy ms':>8s} {'alloc ms':>8s} "
+           f"{'client ms':>9s} {'copy x roof':>11s}")
     print("\n" + hdr, file=out)
     print("-" * len(hdr), file=out)
     for p in show:
         print(f"{p['op']:22s} {p['path']:22s} {p['total_s'] * 1e3:9.2f} "
-              f"{p['wait_s'] * 1e3:9.2f} {p['rpcs']:5.0f} {p['copy_s'] * 1e3:8.2f} "
+              f"{p['wait_s'] * 1e3:9.2f} {p['rpcs']:5.0f} {ms(p.get('rtt_s')):>7s} "
+              f"{ms(p.get('server_s')):>9s} {p['copy_s'] * 1e3:8.2f} "
               f"{p['alloc_s'] * 1e3:8.2f} {p['client_s'] * 1e3:9.2f} "
               f"{_fmt(p['copy_x_roof']):>11s}", file=out)
-    print("medians of ctx.last_timing per call: waits = blocked on server replies (round "
-          "trips + the server's processing; a retrieve's commit is not awaited), copy = the "
-          "chunk scatter/gather, alloc = a drop-in retrieve's result buffer, client = the "
-          "rest; copy x roof = the flat-memcpy roofline's time / the copy's time", file=out)
+    print("medians of ctx.last_timing per call: waits = blocked on server replies (a "
+          "retrieve's commit is not awaited), split into rtt = rpcs x the median round trip "
+          "of a no-op ping between the reps and server = the rest (the server's own work on "
+          "the requests); copy = the chunk scatter/gather, alloc = a drop-in retrieve's "
+          "result buffer, client = the rest of the call; copy x roof = the flat-memcpy "
+          "roofline's time / the copy's time", file=out)
 
 
 def ic_summary(ic: dict[str, dict[str, list[float]]]) -> dict[str, dict[str, float]]:
@@ -1514,10 +1565,28 @@ def floor_s(records: dict[tuple[str, str], dict[str, Any]], path: str, op: str,
     phases = rec.get("phases") if rec else None
     ref = roofline_ref(path, op, default_threads)
     roof = records.get(ref) if ref else None
-    if not phases or not roof or not roof["samples"]:
+    if not rec or not phases or not roof or not roof["samples"]:
         return None
-    copy = min(statistics.median(roof["samples"]), statistics.median(ph["copy_s"] for ph in phases))
+    roof_s = statistics.median(samples_during(roof, driven_op(rec)))
+    copy = min(roof_s, statistics.median(ph["copy_s"] for ph in phases))
     return statistics.median(ph["wait_s"] for ph in phases) + copy
+
+
+def driven_op(rec: dict[str, Any]) -> str | None:
+    """The one driven op all of a record's samples were taken in (None: several/unknown)."""
+    during = set(rec.get("during") or [])
+    return next(iter(during)) if len(during) == 1 else None
+
+
+def samples_during(rec: dict[str, Any], during: str | None) -> list[float]:
+    """A record's samples taken while ``during`` was driven (all of them if none were).
+
+    The roofline copy is timed in every W1 op; a ceiling next to a paired target must use
+    the copies timed in the same reps, like the target's value does.
+    """
+    xs = [x for x, d in zip(rec["samples"], rec.get("during") or [], strict=False)
+          if during is not None and d == during]
+    return xs or list(rec["samples"])
 
 
 def compute_targets(rows: dict[tuple[str, str], Row],
@@ -1544,13 +1613,16 @@ def compute_targets(rows: dict[tuple[str, str], Row],
     t: list[Target] = []
     ceilings: list[float | None] = []
 
-    def _median(key: tuple[str, str]) -> float | None:
+    def _median(key: tuple[str, str], during: str | None) -> float | None:
         rec = records.get(key)
-        return statistics.median(rec["samples"]) if rec and rec["samples"] else None
+        return statistics.median(samples_during(rec, during)) if rec and rec["samples"] \
+            else None
 
     def ceil_speed(a: tuple[str, str], b: tuple[str, str]) -> None:
         """Ceiling of "a is x times faster than b" (b: a roofline copy or another SDK)."""
-        fl, tb = floor_s(records, *a, default_threads), _median(b)
+        ra = records.get(a)
+        fl = floor_s(records, *a, default_threads)
+        tb = _median(b, driven_op(ra) if ra else None)
         ceilings.append(tb / fl if fl and tb else None)
 
     def speed_c(a: tuple[str, str], b: tuple[str, str]) -> tuple[float | None, float | None]:
@@ -1904,7 +1976,7 @@ def _main(args: argparse.Namespace, t_start: float) -> int:
     print_table(rows, records)
     if any(o.startswith("W2") for (_p, o) in rows):
         print_latency(rows)
-    phases = phase_summary(records, default_threads)
+    phases = phase_summary(records, default_threads, merge_pings(infos))
     print_phases(phases, default_threads)
     if ic:
         print_ic(ic)

@@ -75,6 +75,55 @@ def test_target_ceiling_from_waits_and_roofline() -> None:
     assert targets["W1 store cold vs upstream"].reachable is None
     assert targets["W4 pickle plane store vs upstream"].status == "n/a"
 
+    # paired: the roofline copies timed in the store's own reps set its ceiling, like its value
+    store = records[(ours, b.W1_STORE_WARM)]
+    store["during"], store["reps"] = [b.W1_STORE_WARM] * 3, [0, 1, 2]
+    records[(roof, b.W1_COPY_WARM)] = {
+        **rec(roof, b.W1_COPY_WARM, [0.029, 0.030, 0.031, 0.020, 0.020, 0.020]),
+        "during": [b.W1_STORE_WARM] * 3 + [b.W1_RET_WARM] * 3, "reps": [0, 1, 2, 0, 1, 2]}
+    assert b.samples_during(records[(roof, b.W1_COPY_WARM)], b.W1_RET_WARM) == [0.02] * 3
+    assert b.samples_during(records[(roof, b.W1_COPY_WARM)], "W9") == \
+        records[(roof, b.W1_COPY_WARM)]["samples"]
+    assert b.floor_s(records, ours, b.W1_STORE_WARM, 2) == pytest.approx(0.035)
+    targets = {t.name: t for t in b.compute_targets(b._rows(records), records, {}, 2)}
+    t = targets["W1 store warm vs roofline"]
+    assert t.value == pytest.approx(0.030 / 0.040) and t.detail.endswith("paired")
+    assert t.ceiling == pytest.approx(0.030 / 0.035)  # not the all-ops median 0.0245
+
+
+def test_phase_split_of_waits_by_ping() -> None:
+    """waits = rpcs x the op's median ping (per server) + the server's own share."""
+    from lmcache_kv_fast.testing import benchmark as b
+
+    ours, roof = b.kvf_native(2), b.roofline(2)
+    ph = [{"wait_s": w, "copy_s": 0.02, "total_s": 0.03, "alloc_s": 0.0, "client_s": 0.001,
+           "rpcs": 3, "chunks": 16} for w in (0.004, 0.005, 0.006)]
+    pick = [{**x, "wait_s": 0.0001} for x in ph]
+    records = {
+        (ours, b.W1_RET_WARM): {"path": ours, "op": b.W1_RET_WARM, "samples": [0.03] * 3,
+                                "phases": ph},
+        (roof, b.W1_COPY_WARM): {"path": roof, "op": b.W1_COPY_WARM, "samples": [0.02] * 3,
+                                 "phases": []},
+        (b.KVF_PICKLE, b.W4_RET): {"path": b.KVF_PICKLE, "op": b.W4_RET,
+                                   "samples": [0.1] * 3, "phases": pick},
+    }
+    infos = [{"worker": "native", "ping_s": {"shm": {b.W1_RET_WARM: [0.0002, 0.0003]},
+                                            "pickle": {b.W4_RET: [0.001]}}},
+             {"worker": "torch", "ping_s": {"shm": {b.W1_RET_WARM: [0.0004]}}},
+             {"worker": "upstream"}]
+    pings = b.merge_pings(infos)
+    assert pings == {"shm": {b.W1_RET_WARM: [0.0002, 0.0003, 0.0004]},
+                     "pickle": {b.W4_RET: [0.001]}}
+    rows = {(r["path"], r["op"]): r for r in b.phase_summary(records, 2, pings)}
+    r = rows[(ours, b.W1_RET_WARM)]
+    assert r["ping_s"] == pytest.approx(0.0003) and r["rtt_s"] == pytest.approx(0.0009)
+    assert r["server_s"] == pytest.approx(0.005 - 0.0009)
+    assert r["copy_x_roof"] == pytest.approx(1.0)
+    r = rows[(b.KVF_PICKLE, b.W4_RET)]  # its own server's ping; never negative
+    assert r["rtt_s"] == pytest.approx(0.003) and r["server_s"] == 0.0
+    r = b.phase_summary(records, 2)[0]  # no pings: no split
+    assert r["ping_s"] is None and r["rtt_s"] is None and r["server_s"] is None
+
 
 def _positive(xs: list[float]) -> bool:
     return bool(xs) and all(isinstance(x, float) and math.isfinite(x) and x > 0 for x in xs)
@@ -150,14 +199,15 @@ def test_bench_quick_json(tmp_path: Path) -> None:
         ph = phases[(f"kvfast-native-{n}t", op)]
         assert ph["n"] == len(records[(f"kvfast-native-{n}t", op)]["samples"])
         assert ph["rpcs"] >= 2 and ph["chunks"] >= 1, ph
-        for f in ("total_s", "wait_s", "copy_s", "copy_x_roof"):
+        for f in ("total_s", "wait_s", "copy_s", "copy_x_roof", "ping_s", "rtt_s"):
             assert math.isfinite(ph[f]) and ph[f] > 0, (op, f, ph)
+        assert ph["server_s"] == pytest.approx(max(0.0, ph["wait_s"] - ph["rtt_s"]))
         for one in records[(f"kvfast-native-{n}t", op)]["phases"]:
             assert one["op"] in ("store", "retrieve") and one["client_s"] >= 0
             assert one["wait_s"] + one["copy_s"] <= one["total_s"]
     assert ("kvfast-pickle", "W4 store") in phases
     assert not any(p.startswith("upstream") for (p, _o) in phases)
-    assert "where the time goes" in p.stdout
+    assert "where the time goes" in p.stdout and "server ms" in p.stdout
 
     ic = doc["import_connect"]["samples"]
     for kind in ("import torch", "kvfast import+connect", "upstream import+connect"):
