@@ -336,6 +336,7 @@ def retrieve_many(
     max_in_flight: int = DEFAULT_MAX_IN_FLIGHT,
     workers: int | None = None,
     report: BatchReport | None = None,
+    progress: bool = False,
 ) -> Iterator[tuple[int, torch.Tensor | None]]:
     """Retrieve many sequences, pipelined; yield ``(index, kv | None)`` in input order.
 
@@ -348,6 +349,7 @@ def retrieve_many(
         max_in_flight: Items alive at once (memory bound).
         workers: Worker threads (default ``min(max_in_flight, 4)``).
         report: Filled in as the batch goes (misses and errors land here).
+        progress: Show a progress bar (tqdm if installed, else log lines).
 
     Yields:
         ``(index, kv)``; ``kv`` is None for a miss or a failed item (see ``report``).
@@ -377,9 +379,9 @@ def retrieve_many(
         res.value = (kv, buf)
         return res
 
-    progress = _Progress(None, "retrieve_many", False)
+    progress_bar = _Progress(_len(token_lists), "retrieve_many", progress)
     for res in _run_pipelined(enumerate(token_lists), task, workers=workers or min(max_in_flight, 4),
-                              max_in_flight=max_in_flight, report=rep, progress=progress,
+                              max_in_flight=max_in_flight, report=rep, progress=progress_bar,
                               should_stop=lambda: ctx.closed):
         kv, buf = res.value if res.value is not None else (None, None)
         try:

@@ -57,6 +57,34 @@ def test_retrieve_many_with_out_pool(small):
     assert report.ok == 6 and report.peak_in_flight <= 2
 
 
+def test_retrieve_many_progress(small, monkeypatch):
+    """progress=True drives one progress bar over the items (total known for a list)."""
+    m, ctx = small
+    seqs = [(m.kv(C, seed=i), rand_tokens(C, seed=500 + i)) for i in range(4)]
+    assert batch.store_many(ctx, seqs).ok == 4
+    bars = []
+
+    class Recording(batch._Progress):
+        def __init__(self, total, desc, enabled):
+            super().__init__(total, desc, False)
+            self.args, self.updates, self.closed = (total, desc, enabled), 0, False
+            bars.append(self)
+
+        def update(self):
+            self.updates += 1
+
+        def close(self):
+            self.closed = True
+
+    monkeypatch.setattr(batch, "_Progress", Recording)
+    got = list(batch.retrieve_many(ctx, [t for _, t in seqs], progress=True))
+    assert all(torch.equal(kv, seqs[i][0]) for i, kv in got)
+    assert len(bars) == 1 and bars[0].args == (4, "retrieve_many", True)
+    assert bars[0].updates == 4 and bars[0].closed
+    list(batch.retrieve_many(ctx, iter([seqs[0][1]])))  # default: off; length unknown
+    assert bars[1].args == (None, "retrieve_many", False)
+
+
 def test_rewrite_equals_sequential(small):
     m, ctx = small
     toks = [rand_tokens(3 * C, seed=300 + i) for i in range(8)]
