@@ -26,6 +26,7 @@ import sys
 import threading
 import time
 import warnings
+from collections import OrderedDict
 from collections.abc import Hashable, Iterator, Sequence
 from dataclasses import dataclass
 from types import ModuleType
@@ -65,6 +66,7 @@ from lmcache_kv_fast.protocol.types import (
     PrepareStoreResponse,
     RegisterEngineDrivenContextPayload,
     RegisterEngineDrivenContextResponse,
+    Slot,
 )
 from lmcache_kv_fast.transport.http import HttpInfoClient
 from lmcache_kv_fast.transport.releases import DeferredReleases
@@ -84,6 +86,8 @@ SETTLE_ACKS_TIMEOUT_S = 1.0
 RELEASE_COLLECT_S = 0.01
 #: ... and, with none pending, looks again this often (it is also woken when some come).
 RELEASE_IDLE_CHECK_S = 0.5
+#: Prefixes whose chunk locations a context remembers for speculative gathers.
+SLOT_HINTS_MAX = 256
 #: Seconds one ``wait_prefetch_status`` may block the server's normal pool.
 PREFETCH_WAIT_SLICE_S = 0.1
 
@@ -137,6 +141,11 @@ class OpTiming:
         rpcs: Replies waited for (releases sent without waiting, a retrieve's
             ``commit_retrieve`` and ``end_session``, not counted).
         chunks: Whole chunks the call moved (0 for a lookup or a miss).
+        hinted: Chunks of a retrieve read (every shard) from where they lay last time
+            while the server answered ``prepare_retrieve``, and kept because the reply
+            named the same objects (see ``read_hints`` of :func:`~lmcache_kv_fast.connect`).
+        rehinted: Chunks read that way and read again (some shard) because the reply
+            named other objects (both copies count in ``copy_s``).
     """
 
     op: str
@@ -146,6 +155,8 @@ class OpTiming:
     alloc_s: float
     rpcs: int
     chunks: int
+    hinted: int = 0
+    rehinted: int = 0
 
     @property
     def client_s(self) -> float:
@@ -156,7 +167,8 @@ class OpTiming:
         """Plain dict (for JSON), with ``client_s``."""
         return {"op": self.op, "total_s": self.total_s, "wait_s": self.wait_s,
                 "copy_s": self.copy_s, "alloc_s": self.alloc_s, "client_s": self.client_s,
-                "rpcs": self.rpcs, "chunks": self.chunks}
+                "rpcs": self.rpcs, "chunks": self.chunks, "hinted": self.hinted,
+                "rehinted": self.rehinted}
 
 
 def _is_tensor_like(x: Any) -> bool:
@@ -272,6 +284,8 @@ class LMCacheKVCacheContext:
         world_size: Tensor-parallel KV shards (with ``layout``; else from ``/status``).
         copy_threads: Threads of the native copy pool (None: env or usable cores).
         heartbeat: Ping the server so it never reaps this live client (doc §3.11).
+        read_hints: Copy a retrieved prefix from where it lay last time while the server
+            answers ``prepare_retrieve`` (SHM only; kept only when the reply confirms it).
 
     Raises:
         KVCacheSDKError: The server cannot be used (see the message for why).
@@ -292,6 +306,7 @@ class LMCacheKVCacheContext:
         world_size: int | None = None,
         copy_threads: int | None = None,
         heartbeat: bool = True,
+        read_hints: bool = True,
     ) -> None:
         self._closed = False
         self._closing = False
@@ -316,6 +331,10 @@ class LMCacheKVCacheContext:
         self._tls = threading.local()  # per-call request_configs of the calling thread
         self._key_locks: dict[tuple[str, tuple[int, ...]], list[Any]] = {}
         self._key_locks_mutex = threading.Lock()
+        #: Where each shard's chunks lay at the last retrieve / full store of a prefix.
+        self._read_hints = bool(read_hints)
+        self._slot_hints: OrderedDict[tuple[Any, ...], list[Slot]] = OrderedDict()
+        self._slot_hints_mutex = threading.Lock()
         _check_connect_args(url, http_url, model_name, timeout, world_size, copy_threads)
         self.url = url
         self.http_url = http_url.rstrip("/")
@@ -532,6 +551,7 @@ class LMCacheKVCacheContext:
             w0, n0 = ch.wait_s, ch.waits
             tls = self._tls
             tls.copy_s, tls.alloc_s, tls.chunks = 0.0, 0.0, 0
+            tls.hinted = tls.rehinted = 0
             try:
                 yield ch
             except ServerTimeoutError as err:
@@ -542,7 +562,8 @@ class LMCacheKVCacheContext:
             finally:
                 if name:
                     tls.timing = OpTiming(name, time.perf_counter() - t0, ch.wait_s - w0,
-                                          tls.copy_s, tls.alloc_s, ch.waits - n0, tls.chunks)
+                                          tls.copy_s, tls.alloc_s, ch.waits - n0, tls.chunks,
+                                          tls.hinted, tls.rehinted)
         finally:
             self._tls.request_configs = None
             with self._ops_cv:
@@ -814,8 +835,9 @@ class LMCacheKVCacheContext:
             request_configs: Free-form per-request metadata passed through in the keys.
             out: Optional contiguous CPU tensor of the model's dtype, shaped
                 ``[2, L, >=T, D]`` (``[L, >=T, D]`` for single-plane models), to write into;
-                the result is then ``out[..., :hit, :]``. Its content beyond the hit (or on
-                a miss) is unspecified.
+                the result is then ``out[..., :hit, :]``. Its content beyond the hit, on a
+                miss or when the call raises is unspecified (read hints may have filled it
+                from the prefix's last known chunks; never from unvalidated slots).
 
         Returns:
             A contiguous ``[2, L, hit, D]`` tensor (``[L, hit, D]`` for single-plane
@@ -869,7 +891,12 @@ class LMCacheKVCacheContext:
         keys = {r: self._key(toks, 0, hit, rid, salt, r) for r in range(ws)}
         calls = {r: ch.send(Op.PREPARE_RETRIEVE, [keys[r], self.instance_id]) for r in ranks}
         resps: dict[int, PrepareRetrieveResponse] = {}
+        hint_key = self._hint_key(salt, toks)
+        dst: torch.Tensor | None = None
+        copied: dict[int, list[Slot]] = {}
         try:
+            if hint_key is not None:  # copy while the server answers (hint checked below)
+                dst, copied = self._speculative_gather(hint_key, ranks, n, out)
             for r in ranks:
                 resps[r] = ch.wait(calls[r], PrepareRetrieveResponse)
         except BaseException:
@@ -884,15 +911,26 @@ class LMCacheKVCacheContext:
             if ok:
                 if out is not None:
                     dst = out
-                else:
+                elif dst is None:
                     ta = time.perf_counter()
                     dst = self._backend.alloc_result(self.kv_shape(hit), self._dtype)
                     self._tls.alloc_s = time.perf_counter() - ta
+                kept = 0
                 for r in ranks:
+                    slots = resps[r].context.slots
+                    if hint_key is not None and slots and not resps[r].data:
+                        if r in copied and copied[r] == slots:
+                            kept += 1
+                            continue  # read while the reply was on its way: same objects
+                        self._remember_slots((*hint_key, r), slots)
                     regions = self._retrieve_regions(resps[r], n, "prepare_retrieve")
                     self._copy(self._backend.gather, dst, range(n), regions,
                                self._shard_cols[r])
                 self._tls.chunks = n
+                if kept == len(ranks):
+                    self._tls.hinted = n
+                elif len(copied) > kept:
+                    self._tls.rehinted = n
                 result = dst if out is None else out.narrow(-2, 0, hit)
         finally:
             # SHM: commit releases the read lock of each object read; pickle: no-op.
@@ -902,6 +940,58 @@ class LMCacheKVCacheContext:
                 else:
                     self._free_locks(ch, keys[r], r)
         return result
+
+    def _hint_key(self, salt: str, toks: list[int]) -> tuple[Any, ...] | None:
+        """Key of a whole-chunk token prefix's location hints (None: hints not used)."""
+        if self._shm is None or not self._read_hints:
+            return None
+        return (salt, len(toks), hash(tuple(toks)))
+
+    def _speculative_gather(self, hint_key: tuple[Any, ...], ranks: list[int], n: int,
+                            out: torch.Tensor | None
+                            ) -> tuple[torch.Tensor | None, dict[int, list[Slot]]]:
+        """Gather from where the chunks lay last time, while prepare_retrieve is answered.
+
+        Runs after the lookup locked the ``n`` chunks, so none of them can move, change or
+        be freed until the retrieve commits. The caller keeps a shard's copy only if the
+        reply names exactly the slots read: then every byte read belonged to the locked
+        objects. Otherwise (the prefix was evicted and stored again elsewhere, or the hint
+        key collided) it copies again from the reply's slots, so a stale hint costs one
+        extra copy, never a wrong byte. The hint's slots are validated against the mapping
+        like any reply's. Returns the destination (allocated when ``out`` is None) and the
+        slots read per shard.
+        """
+        with self._slot_hints_mutex:
+            hints = {r: self._slot_hints.get((*hint_key, r)) for r in ranks}
+        if any(h is None or len(h) != n for h in hints.values()):
+            return None, {}
+        hit = n * self._chunk_size
+        if out is not None:
+            dst = out
+        else:
+            ta = time.perf_counter()
+            dst = self._backend.alloc_result(self.kv_shape(hit), self._dtype)
+            self._tls.alloc_s = time.perf_counter() - ta
+        copied: dict[int, list[Slot]] = {}
+        assert self._shm is not None
+        for r in ranks:
+            slots = hints[r]
+            assert slots is not None
+            try:
+                regions = self._shm.regions(slots, self._geom, self.layout.dtype_str, "hint")
+            except KVCacheSDKError:  # the pool changed: copy after the reply instead
+                continue
+            self._copy(self._backend.gather, dst, range(n), regions, self._shard_cols[r])
+            copied[r] = slots
+        return dst, copied
+
+    def _remember_slots(self, key: tuple[Any, ...], slots: list[Slot]) -> None:
+        """Record where a prefix's chunks lie (bounded LRU)."""
+        with self._slot_hints_mutex:
+            self._slot_hints[key] = slots
+            self._slot_hints.move_to_end(key)
+            while len(self._slot_hints) > SLOT_HINTS_MAX:
+                self._slot_hints.popitem(last=False)
 
     def _release_reads(self, commits: list[list[Any]], rid: str, same_key: Hashable) -> None:
         """Send the commits of a retrieve without waiting; its session ends after them."""
@@ -1029,8 +1119,8 @@ class LMCacheKVCacheContext:
                 except ProtocolError:
                     self._uncommitted += 1
                     raise
-                plans.append((r, idx, regions))
-            for r, idx, regions in plans:
+                plans.append((r, idx, regions, ctxt.slots))
+            for r, idx, regions, _ in plans:
                 if idx:
                     try:
                         self._copy(self._backend.scatter, src, idx, regions,
@@ -1044,7 +1134,7 @@ class LMCacheKVCacheContext:
                             + (" (the file system holding /dev/shm is full)"
                                if err.errno == errno.ENOSPC else "")
                         ) from err
-            for r, idx, _ in plans:
+            for r, idx, _, _ in plans:
                 if idx:
                     commits.append(ch.send(Op.COMMIT_STORE, [keys[r], self.instance_id],
                                            raw=[codec.encode(b"")]))
@@ -1063,6 +1153,11 @@ class LMCacheKVCacheContext:
         for w in written:
             all_written &= w
         if ok_commits and len(all_written) == n:
+            hint_key = self._hint_key(salt, toks)
+            if hint_key is not None:  # a retrieve of this prefix may read these slots early
+                for r, idx, _, slots in plans:
+                    by_chunk = sorted(zip(idx, range(len(idx)), strict=True))
+                    self._remember_slots((*hint_key, r), [slots[j] for _, j in by_chunk])
             return StoreResult(end, n, n, 0, 0)
         k = self._settled_prefix(ch, toks, salt, n)
         n_written = len([i for i in all_written if i < k]) if ok_commits else 0

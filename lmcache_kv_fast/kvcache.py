@@ -45,6 +45,7 @@ def connect(
     world_size: int | None = None,
     copy_threads: int | None = None,
     heartbeat: bool = True,
+    read_hints: bool = True,
 ) -> LMCacheKVCacheContext:
     """Connect to an LMCache MP server and register this SDK instance.
 
@@ -57,6 +58,11 @@ def connect(
         world_size: Tensor-parallel KV shards of the model.
         copy_threads: Native copy threads (default: ``LMCACHE_KV_FAST_THREADS`` or cores).
         heartbeat: Keep the registration alive with pings while the context is open.
+        read_hints: On an SHM server, remember where a prefix's chunks lay (last retrieve
+            or whole store of it, up to 256 prefixes) and, when it is retrieved again,
+            copy from there while the server answers ``prepare_retrieve``; the copy is kept
+            only if the reply names the same objects, else redone (a stale hint costs one
+            extra copy, never a wrong byte). Hides that round trip (~1-2 ms for 0.5 GiB).
 
     Returns:
         A connected context.
@@ -66,7 +72,7 @@ def connect(
     """
     return LMCacheKVCacheContext(
         url, http_url, model_name, timeout, layout=layout, world_size=world_size,
-        copy_threads=copy_threads, heartbeat=heartbeat,
+        copy_threads=copy_threads, heartbeat=heartbeat, read_hints=read_hints,
     )
 
 

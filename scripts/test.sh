@@ -12,4 +12,5 @@ $PYTEST -q -m "not compat" -p no:cacheprovider "$@"
 echo "[test] torch backend (the core integration tests again, forced fallback backend)"
 LMCACHE_KV_FAST_BACKEND=torch $PYTEST -q -m "not compat" -p no:cacheprovider \
   tests/integration/test_roundtrip.py tests/integration/test_interop.py \
-  tests/integration/test_beyond.py -k "not heartbeat and not stress and not l1_full" "$@"
+  tests/integration/test_beyond.py tests/integration/test_read_hints.py \
+  -k "not heartbeat and not stress and not l1_full" "$@"

@@ -1439,6 +1439,9 @@ def phase_summary(records: dict[tuple[str, str], dict[str, Any]],
             med = {k: statistics.median(ph[k] for ph in phases)
                    for k in ("total_s", "wait_s", "copy_s", "alloc_s", "client_s", "rpcs",
                              "chunks")}
+            # share of the calls' chunks read early from read hints (context.py _fetch)
+            moved = sum(ph["chunks"] for ph in phases)
+            hinted = sum(ph.get("hinted", 0) for ph in phases) / moved if moved else 0.0
             ref = roofline_ref(path, op, default_threads)
             roof = records.get(ref) if ref else None
             x_roof = None
@@ -1449,6 +1452,7 @@ def phase_summary(records: dict[tuple[str, str], dict[str, Any]],
             ping = statistics.median(xs) if xs else None
             rtt = None if ping is None else med["rpcs"] * ping
             out.append({"path": path, "op": op, "n": len(phases), **med, "copy_x_roof": x_roof,
+                        "hinted_share": hinted,
                         "ping_s": ping, "rtt_s": rtt,
                         "server_s": None if rtt is None else max(0.0, med["wait_s"] - rtt)})
     return out
@@ -1465,9 +1469,12 @@ def print_phases(phases: Sequence[dict[str, Any]], default_threads: int,
     def ms(x: float | None) -> str:
         return "-" if x is None else f"{x * 1e3:.2f}"
 
+    def hinted(p: dict[str, Any]) -> str:
+        return f"{p.get('hinted_share', 0.0):.0%}" if "retrieve" in p["op"] else "-"
+
     hdr = (f"{'where the time goes':22s} {'path':22s} {'total ms':>9s} {'waits ms':>9s} "
            f"{'rpcs':>5s} {'rtt ms':>7s} {'server ms':>9s} {'copy ms':>8s} {'alloc ms':>8s} "
-           f"{'client ms':>9s} {'copy x roof':>11s}")
+           f"{'client ms':>9s} {'copy x roof':>11s} {'hinted':>6s}")
     print("\n" + hdr, file=out)
     print("-" * len(hdr), file=out)
     for p in show:
@@ -1475,13 +1482,15 @@ def print_phases(phases: Sequence[dict[str, Any]], default_threads: int,
               f"{p['wait_s'] * 1e3:9.2f} {p['rpcs']:5.0f} {ms(p.get('rtt_s')):>7s} "
               f"{ms(p.get('server_s')):>9s} {p['copy_s'] * 1e3:8.2f} "
               f"{p['alloc_s'] * 1e3:8.2f} {p['client_s'] * 1e3:9.2f} "
-              f"{_fmt(p['copy_x_roof']):>11s}", file=out)
+              f"{_fmt(p['copy_x_roof']):>11s} {hinted(p):>6s}", file=out)
     print("medians of ctx.last_timing per call: waits = blocked on server replies (a "
           "retrieve's commit is not awaited), split into rtt = rpcs x the median round trip "
           "of a no-op ping between the reps and server = the rest (the server's own work on "
           "the requests); copy = the chunk scatter/gather, alloc = a drop-in retrieve's "
           "result buffer, client = the rest of the call; copy x roof = the flat-memcpy "
-          "roofline's time / the copy's time", file=out)
+          "roofline's time / the copy's time; hinted = share of a retrieve's chunks read "
+          "from where they lay last time while prepare_retrieve was answered (read hints: "
+          "the reps repeat one prefix)", file=out)
 
 
 def ic_summary(ic: dict[str, dict[str, list[float]]]) -> dict[str, dict[str, float]]:

@@ -5,6 +5,7 @@ Checks that every path and workload produced positive, finite numbers; no timing
 
 from __future__ import annotations
 
+import io
 import json
 import math
 import os
@@ -99,6 +100,7 @@ def test_phase_split_of_waits_by_ping() -> None:
     ph = [{"wait_s": w, "copy_s": 0.02, "total_s": 0.03, "alloc_s": 0.0, "client_s": 0.001,
            "rpcs": 3, "chunks": 16} for w in (0.004, 0.005, 0.006)]
     pick = [{**x, "wait_s": 0.0001} for x in ph]
+    ph[1]["hinted"] = ph[2]["hinted"] = 16  # the first rep had no hint yet
     records = {
         (ours, b.W1_RET_WARM): {"path": ours, "op": b.W1_RET_WARM, "samples": [0.03] * 3,
                                 "phases": ph},
@@ -119,6 +121,10 @@ def test_phase_split_of_waits_by_ping() -> None:
     assert r["ping_s"] == pytest.approx(0.0003) and r["rtt_s"] == pytest.approx(0.0009)
     assert r["server_s"] == pytest.approx(0.005 - 0.0009)
     assert r["copy_x_roof"] == pytest.approx(1.0)
+    assert r["hinted_share"] == pytest.approx(2 / 3)
+    buf = io.StringIO()
+    b.print_phases(list(rows.values()), 2, out=buf)
+    assert " 67%" in buf.getvalue() and "hinted" in buf.getvalue()
     r = rows[(b.KVF_PICKLE, b.W4_RET)]  # its own server's ping; never negative
     assert r["rtt_s"] == pytest.approx(0.003) and r["server_s"] == 0.0
     r = b.phase_summary(records, 2)[0]  # no pings: no split

@@ -281,7 +281,7 @@ def test_last_timing_breaks_each_call_down(server, model):
         assert rt.op == "retrieve" and rt.chunks == 3 and rt.copy_s > 0
         assert rt.rpcs >= 3  # lookup, wait, prepare (+ commit on SHM)
         assert set(rt.as_dict()) == {"op", "total_s", "wait_s", "copy_s", "alloc_s", "client_s",
-                                     "rpcs", "chunks"}
+                                     "rpcs", "chunks", "hinted", "rehinted"}
         assert ctx.retrieve(rand_tokens(C, seed=12)) is None  # a miss moves nothing
         assert ctx.last_timing.chunks == 0 and ctx.last_timing.copy_s == 0
         seen: list[object] = []

@@ -56,13 +56,13 @@ def pickle_peer() -> Iterator[FakePeer]:
         assert p.handler_errors == []
 
 
-def _connect(p: FakePeer) -> lkf.LMCacheKVCacheContext:
-    return lkf.connect(p.url, p.http_url, p.model, timeout=TIMEOUT)
+def _connect(p: FakePeer, **kw: Any) -> lkf.LMCacheKVCacheContext:
+    return lkf.connect(p.url, p.http_url, p.model, timeout=TIMEOUT, **kw)
 
 
 @contextlib.contextmanager
-def _ctx(p: FakePeer) -> Iterator[lkf.LMCacheKVCacheContext]:
-    ctx = _connect(p)
+def _ctx(p: FakePeer, **kw: Any) -> Iterator[lkf.LMCacheKVCacheContext]:
+    ctx = _connect(p, **kw)
     try:
         yield ctx
     finally:
@@ -131,10 +131,11 @@ SLOT_CASES: dict[str, Callable[[FakePeer, list[int]], list[dict[str, Any]] | Any
 }
 
 
+@pytest.mark.parametrize("hints", [False, True], ids=["nohints", "hints"])
 @pytest.mark.parametrize("case", sorted(SLOT_CASES))
-def test_retrieve_refuses_bad_slots(shm_peer: FakePeer, case: str) -> None:
+def test_retrieve_refuses_bad_slots(shm_peer: FakePeer, case: str, hints: bool) -> None:
     p = shm_peer
-    with _ctx(p) as ctx:
+    with _ctx(p, read_hints=hints) as ctx:
         toks, kv = _toks(2, 2), p.geom.kv(2 * C, seed=2)
         assert ctx.store(kv, toks)
         honest = [p._objects[k].offset for k in p._chunk_keys({"token_ids": toks}, 0, 2 * C)]
@@ -147,7 +148,11 @@ def test_retrieve_refuses_bad_slots(shm_peer: FakePeer, case: str) -> None:
         with pytest.raises(lkf.ProtocolError):
             ctx.retrieve(toks, out=out)
         assert time.monotonic() - t0 < TIMEOUT
-        assert torch.equal(_bits(out), before_out), "out was written before the refusal"
+        if hints:  # the store's (honest) slots were read early: nothing else reached out
+            assert ctx.last_timing.hinted == 0
+            assert torch.equal(_bits(out), _bits(kv)), "out holds bytes of the bad slots"
+        else:
+            assert torch.equal(_bits(out), before_out), "out was written before the refusal"
         assert p.segment_bytes() == before_seg
         # locks released even on refusal (commit, or free_lookup_locks if undecodable); the
         # commit is sent without waiting for its reply, on the context's release socket

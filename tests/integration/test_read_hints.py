@@ -1,0 +1,167 @@
+"""Read hints: a retrieve copies from where its prefix lay last time while the server
+answers ``prepare_retrieve``, and keeps that copy only when the reply names the same
+objects (against the real server)."""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+import torch
+from conftest import make_model, rand_tokens, unique_model_name
+
+import lmcache_kv_fast.kvcache as lmc_sdk
+from lmcache_kv_fast import KVLayout
+from lmcache_kv_fast.protocol.types import Slot
+
+C = 256
+
+
+def _hints(ctx) -> dict:
+    return ctx._slot_hints
+
+
+def _no_locks(server) -> None:
+    l1 = server.status()["storage_manager"]["l1_manager"]
+    assert l1["read_locked_count"] == 0 and l1["write_locked_count"] == 0
+
+
+def test_hinted_retrieve_is_exact_and_hides_nothing_wrong(server_shm):
+    model = make_model(server_shm)
+    toks, kv = rand_tokens(3 * C, seed=1), model.kv(3 * C, seed=1)
+    with lmc_sdk.connect(server_shm.url, server_shm.http_url, model.name) as ctx:
+        assert ctx.store(kv, toks)
+        got = ctx.retrieve(toks)  # hinted by the store's slots
+        assert torch.equal(got, kv)
+        t = ctx.last_timing
+        assert (t.hinted, t.rehinted, t.chunks) == (3, 0, 3)
+        out = torch.zeros_like(kv)
+        assert torch.equal(ctx.retrieve(toks, out=out), kv) and torch.equal(out, kv)
+        assert ctx.last_timing.hinted == 3
+        # a shorter prefix of the same tokens is its own key: first time unhinted
+        assert torch.equal(ctx.retrieve(toks[: 2 * C]), kv[:, :, : 2 * C])
+        assert ctx.last_timing.hinted == 0
+        assert torch.equal(ctx.retrieve(toks[: 2 * C]), kv[:, :, : 2 * C])
+        assert ctx.last_timing.hinted == 2
+    _no_locks(server_shm)
+
+
+@pytest.mark.parametrize("use_out", [False, True])
+def test_stale_hint_is_copied_again(server_shm, use_out):
+    """A hint naming other objects (here: the chunks swapped) costs a second copy only."""
+    model = make_model(server_shm)
+    toks, kv = rand_tokens(2 * C, seed=2), model.kv(2 * C, seed=2)
+    with lmc_sdk.connect(server_shm.url, server_shm.http_url, model.name) as ctx:
+        assert ctx.store(kv, toks)
+        (key, slots), = _hints(ctx).items()
+        _hints(ctx)[key] = [slots[1], slots[0]]
+        out = torch.zeros_like(kv) if use_out else None
+        got = ctx.retrieve(toks, out=out)
+        assert torch.equal(got, kv)
+        t = ctx.last_timing
+        assert (t.hinted, t.rehinted) == (0, 2)
+        assert _hints(ctx)[key] == slots  # corrected from the reply
+        assert torch.equal(ctx.retrieve(toks, out=out), kv)
+        assert ctx.last_timing.hinted == 2
+    _no_locks(server_shm)
+
+
+def test_hint_outside_the_pool_is_not_read(server_shm):
+    model = make_model(server_shm)
+    toks, kv = rand_tokens(C, seed=3), model.kv(C, seed=3)
+    with lmc_sdk.connect(server_shm.url, server_shm.http_url, model.name) as ctx:
+        assert ctx.store(kv, toks)
+        (key, slots), = _hints(ctx).items()
+        bad = Slot(offset=ctx._shm.segment.size + 4096, length=slots[0].length, shape=slots[0].shape,
+                   dtype=slots[0].dtype)
+        _hints(ctx)[key] = [bad]
+        assert torch.equal(ctx.retrieve(toks), kv)
+        t = ctx.last_timing
+        assert (t.hinted, t.rehinted) == (0, 0)
+    _no_locks(server_shm)
+
+
+def test_prefix_stored_again_elsewhere(server_shm):
+    """Cleared and stored again (other bytes, maybe other slots): the new bytes come back."""
+    model = make_model(server_shm)
+    toks = rand_tokens(2 * C, seed=4)
+    kv1, kv2, filler = model.kv(2 * C, seed=4), model.kv(2 * C, seed=5), model.kv(3 * C, seed=6)
+    with lmc_sdk.connect(server_shm.url, server_shm.http_url, model.name) as ctx:
+        assert ctx.store(kv1, toks)
+        assert torch.equal(ctx.retrieve(toks), kv1)
+        ctx.clear()
+        assert ctx.store(filler, rand_tokens(3 * C, seed=7))  # takes the freed slots first
+        # another client stores the prefix: this context's hints are not updated
+        with lmc_sdk.connect(server_shm.url, server_shm.http_url, model.name) as other:
+            assert other.store(kv2, toks)
+        got = ctx.retrieve(toks)
+        assert torch.equal(got, kv2)
+        t = ctx.last_timing
+        assert t.hinted + t.rehinted == 2
+        ctx.clear()
+    _no_locks(server_shm)
+
+
+def test_read_hints_off(server_shm):
+    model = make_model(server_shm)
+    toks, kv = rand_tokens(2 * C, seed=8), model.kv(2 * C, seed=8)
+    with lmc_sdk.connect(server_shm.url, server_shm.http_url, model.name,
+                         read_hints=False) as ctx:
+        assert ctx.store(kv, toks)
+        for _ in range(2):
+            assert torch.equal(ctx.retrieve(toks), kv)
+            assert ctx.last_timing.hinted == 0
+        assert not _hints(ctx)
+
+
+def test_pickle_plane_takes_no_hints(server_pickle):
+    model = make_model(server_pickle)
+    toks, kv = rand_tokens(2 * C, seed=9), model.kv(2 * C, seed=9)
+    with lmc_sdk.connect(server_pickle.url, server_pickle.http_url, model.name) as ctx:
+        assert ctx.store(kv, toks)
+        for _ in range(2):
+            assert torch.equal(ctx.retrieve(toks), kv)
+            assert ctx.last_timing.hinted == 0
+        assert not _hints(ctx)
+
+
+def test_tensor_parallel_shards_hinted(server_shm):
+    lay = KVLayout(num_layers=3, num_kv_heads=8, head_dim=64, dtype=torch.bfloat16)
+    toks, kv = rand_tokens(2 * C, seed=10), torch.randn(2, 3, 2 * C, 512).bfloat16()
+    with lmc_sdk.connect(server_shm.url, server_shm.http_url, unique_model_name("tph"),
+                         layout=lay, world_size=2) as ctx:
+        assert ctx.store(kv, toks)
+        assert len(_hints(ctx)) == 2  # one per shard
+        k1, s1 = list(_hints(ctx).items())[1]
+        _hints(ctx)[k1] = [s1[1], s1[0]]  # shard 1 stale, shard 0 right
+        assert torch.equal(ctx.retrieve(toks), kv)
+        t = ctx.last_timing
+        assert (t.hinted, t.rehinted) == (0, 2)
+        assert torch.equal(ctx.retrieve(toks), kv)
+        assert ctx.last_timing.hinted == 2
+    _no_locks(server_shm)
+
+
+def test_hints_shared_by_threads(server_shm):
+    model = make_model(server_shm)
+    seqs = [(rand_tokens(2 * C, seed=20 + i), model.kv(2 * C, seed=20 + i)) for i in range(4)]
+    errors: list[BaseException] = []
+    with lmc_sdk.connect(server_shm.url, server_shm.http_url, model.name) as ctx:
+        for toks, kv in seqs:
+            assert ctx.store(kv, toks)
+
+        def run(i: int) -> None:
+            try:
+                for j in range(6):
+                    toks, kv = seqs[(i + j) % len(seqs)]
+                    assert torch.equal(ctx.retrieve(toks), kv)
+            except BaseException as err:  # reported below
+                errors.append(err)
+
+        threads = [threading.Thread(target=run, args=(i,)) for i in range(3)]
+        for th in threads:
+            th.start()
+        for th in threads:
+            th.join()
+    assert not errors, errors
+    _no_locks(server_shm)
