@@ -329,7 +329,7 @@ class LMCacheKVCacheContext:
         self._releases: DeferredReleases | None = None
         self._rid_counter = itertools.count()
         self._tls = threading.local()  # per-call request_configs of the calling thread
-        self._key_locks: dict[tuple[str, tuple[int, ...]], list[Any]] = {}
+        self._key_locks: dict[tuple[str, int, int], list[Any]] = {}
         self._key_locks_mutex = threading.Lock()
         #: Where each shard's chunks lay at the last retrieve / full store of a prefix.
         self._read_hints = bool(read_hints)
@@ -604,7 +604,7 @@ class LMCacheKVCacheContext:
         return None
 
     @contextlib.contextmanager
-    def _same_key(self, salt: str, toks: list[int]) -> Iterator[Hashable]:
+    def _same_key(self, salt: str, toks: list[int]) -> Iterator[tuple[str, int, int]]:
         """Serialize prepare→commit of identical keys within this instance; yield the key.
 
         The server keys pending transfers by ``(instance_id, key)`` ignoring the request id
@@ -612,8 +612,13 @@ class LMCacheKVCacheContext:
         other's pending entry and leak read locks or staged slots. Different keys never wait.
         A retrieve's commit is not awaited (DeferredReleases): an identical operation
         waits for its acknowledgement here, under the key's lock.
+
+        The key is ``(salt, len(toks), hash(tuple(toks)))``, hashed once (a 4096-token tuple
+        costs ~50 us per hash, and the key is looked up several times): a collision could
+        only make two different operations wait for each other. It is also the key of the
+        prefix's read hints.
         """
-        k = (salt, tuple(toks))
+        k = (salt, len(toks), hash(tuple(toks)))
         with self._key_locks_mutex:
             entry = self._key_locks.get(k)
             if entry is None:
@@ -863,7 +868,7 @@ class LMCacheKVCacheContext:
                 hit_toks = toks[: n * self._chunk_size]
                 with self._same_key(salt, hit_toks) as key:
                     try:
-                        return self._fetch(ch, hit_toks, rid, salt, n, out, commits)
+                        return self._fetch(ch, hit_toks, rid, salt, n, out, commits, key)
                     finally:
                         if commits and self._defer_releases:  # under the key's lock
                             self._release_reads(commits, rid, key)
@@ -878,7 +883,8 @@ class LMCacheKVCacheContext:
                     self._end_session(ch, rid)
 
     def _fetch(self, ch: Channel, toks: list[int], rid: str, salt: str, n: int,
-               out: torch.Tensor | None, commits: list[list[Any]]) -> torch.Tensor | None:
+               out: torch.Tensor | None, commits: list[list[Any]],
+               same_key: tuple[str, int, int]) -> torch.Tensor | None:
         """prepare_retrieve every shard, gather; release locks on every path.
 
         The ``commit_retrieve`` payloads of the shards read are appended to ``commits``
@@ -891,7 +897,7 @@ class LMCacheKVCacheContext:
         keys = {r: self._key(toks, 0, hit, rid, salt, r) for r in range(ws)}
         calls = {r: ch.send(Op.PREPARE_RETRIEVE, [keys[r], self.instance_id]) for r in ranks}
         resps: dict[int, PrepareRetrieveResponse] = {}
-        hint_key = self._hint_key(salt, toks)
+        hint_key = self._hint_key(same_key)
         dst: torch.Tensor | None = None
         copied: dict[int, list[Slot]] = {}
         try:
@@ -941,11 +947,11 @@ class LMCacheKVCacheContext:
                     self._free_locks(ch, keys[r], r)
         return result
 
-    def _hint_key(self, salt: str, toks: list[int]) -> tuple[Any, ...] | None:
-        """Key of a whole-chunk token prefix's location hints (None: hints not used)."""
+    def _hint_key(self, same_key: tuple[str, int, int]) -> tuple[str, int, int] | None:
+        """Key of a prefix's read hints: its :meth:`_same_key` (None: hints not used)."""
         if self._shm is None or not self._read_hints:
             return None
-        return (salt, len(toks), hash(tuple(toks)))
+        return same_key
 
     def _speculative_gather(self, hint_key: tuple[Any, ...], ranks: list[int], n: int,
                             out: torch.Tensor | None
@@ -1069,9 +1075,9 @@ class LMCacheKVCacheContext:
             return StoreResult(0, 0, 0, 0, 0)
         toks = toks[: n * self._chunk_size]
         rc = check_request_configs(request_configs)
-        with self._op(rc, name="store", t0=t0) as ch, self._same_key(salt, toks):
+        with self._op(rc, name="store", t0=t0) as ch, self._same_key(salt, toks) as key:
             if self._shm is not None:
-                result = self._store_shm(ch, src, toks, salt, n)
+                result = self._store_shm(ch, src, toks, salt, n, key)
             else:
                 result = self._store_pickle(ch, src, toks, salt, n)
         # SDK stores produce no `stored` KV events on the server (doc §11 #21): announce them
@@ -1082,7 +1088,7 @@ class LMCacheKVCacheContext:
         return result
 
     def _store_shm(self, ch: Channel, src: torch.Tensor, toks: list[int], salt: str,
-                   n: int) -> StoreResult:
+                   n: int, same_key: tuple[str, int, int]) -> StoreResult:
         rid = self._rid("s")
         end = n * self._chunk_size
         ws = self.world_size
@@ -1153,7 +1159,7 @@ class LMCacheKVCacheContext:
         for w in written:
             all_written &= w
         if ok_commits and len(all_written) == n:
-            hint_key = self._hint_key(salt, toks)
+            hint_key = self._hint_key(same_key)
             if hint_key is not None:  # a retrieve of this prefix may read these slots early
                 for r, idx, _, slots in plans:
                     by_chunk = sorted(zip(idx, range(len(idx)), strict=True))
