@@ -1426,9 +1426,11 @@ def phase_summary(records: dict[tuple[str, str], dict[str, Any]],
     ``copy_x_roof`` is the roofline copy's median time over the call's median copy time
     (1.0: the chunk copy runs as fast as a flat memcpy of the same bytes). With ``pings``
     (:func:`merge_pings`), ``ping_s`` is the median ``ping`` round trip to the path's server
-    between the op's reps, ``rtt_s`` = ``rpcs`` x ``ping_s`` (the replies' share that a
-    no-op RPC costs too) and ``server_s`` = ``wait_s`` - ``rtt_s`` (the server's work on the
-    calls' requests, queueing behind its own threads included); None without pings.
+    between the op's reps, ``rtt_s`` = (``rpcs`` - ``hinted_share``) x ``ping_s`` (the
+    replies' share that a no-op RPC costs too; a hinted retrieve's ``prepare_retrieve``
+    reply arrives during its copy and costs none) and ``server_s`` = ``wait_s`` - ``rtt_s``
+    (the server's work on the calls' requests, queueing behind its own threads included);
+    None without pings.
     """
     out: list[dict[str, Any]] = []
     for op in OP_ORDER:
@@ -1450,7 +1452,8 @@ def phase_summary(records: dict[tuple[str, str], dict[str, Any]],
             server = "pickle" if path == KVF_PICKLE else "shm"
             xs = ((pings or {}).get(server) or {}).get(op) or []
             ping = statistics.median(xs) if xs else None
-            rtt = None if ping is None else med["rpcs"] * ping
+            # a hinted retrieve's prepare_retrieve reply came during its copy: no round trip
+            rtt = None if ping is None else max(0.0, med["rpcs"] - hinted) * ping
             out.append({"path": path, "op": op, "n": len(phases), **med, "copy_x_roof": x_roof,
                         "hinted_share": hinted,
                         "ping_s": ping, "rtt_s": rtt,
@@ -1484,7 +1487,8 @@ def print_phases(phases: Sequence[dict[str, Any]], default_threads: int,
               f"{p['alloc_s'] * 1e3:8.2f} {p['client_s'] * 1e3:9.2f} "
               f"{_fmt(p['copy_x_roof']):>11s} {hinted(p):>6s}", file=out)
     print("medians of ctx.last_timing per call: waits = blocked on server replies (a "
-          "retrieve's commit is not awaited), split into rtt = rpcs x the median round trip "
+          "retrieve's commit is not awaited), split into rtt = rpcs (less the hinted "
+          "prepare_retrieve replies, which come during the copy) x the median round trip "
           "of a no-op ping between the reps and server = the rest (the server's own work on "
           "the requests); copy = the chunk scatter/gather, alloc = a drop-in retrieve's "
           "result buffer, client = the rest of the call; copy x roof = the flat-memcpy "
