@@ -969,6 +969,9 @@ class LMCacheKVCacheContext:
         """
         with self._slot_hints_mutex:
             hints = {r: self._slot_hints.get((*hint_key, r)) for r in ranks}
+            for r in ranks:  # recently used: keep it longest
+                if hints[r] is not None:
+                    self._slot_hints.move_to_end((*hint_key, r))
         if any(h is None or len(h) != n for h in hints.values()):
             return None, {}
         hit = n * self._chunk_size

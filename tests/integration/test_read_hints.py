@@ -165,3 +165,25 @@ def test_hints_shared_by_threads(server_shm):
             th.join()
     assert not errors, errors
     _no_locks(server_shm)
+
+
+def test_hints_bounded_lru(server_shm):
+    """At most SLOT_HINTS_MAX prefixes are remembered; a prefix read again stays."""
+    from lmcache_kv_fast.context import SLOT_HINTS_MAX
+
+    model = make_model(server_shm)
+    toks, kv = rand_tokens(C, seed=30), model.kv(C, seed=30)
+    with lmc_sdk.connect(server_shm.url, server_shm.http_url, model.name) as ctx:
+        assert ctx.store(kv, toks)
+        (key, slots), = _hints(ctx).items()
+        for i in range(SLOT_HINTS_MAX - 1):  # fill up behind it
+            ctx._remember_slots(("other", C, i, 0), slots)
+        assert torch.equal(ctx.retrieve(toks), kv)  # used: moves to the young end
+        assert ctx.last_timing.hinted == 1
+        for i in range(SLOT_HINTS_MAX - 1, SLOT_HINTS_MAX + 9):
+            ctx._remember_slots(("other", C, i, 0), slots)
+        assert len(_hints(ctx)) == SLOT_HINTS_MAX
+        assert key in _hints(ctx) and ("other", C, 0, 0) not in _hints(ctx)
+        assert torch.equal(ctx.retrieve(toks), kv)
+        assert ctx.last_timing.hinted == 1
+    _no_locks(server_shm)
