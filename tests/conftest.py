@@ -5,8 +5,9 @@ from __future__ import annotations
 import itertools
 import os
 import random
+import threading
 import uuid
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 import pytest
@@ -110,3 +111,25 @@ def create_shm_segment(size: int, tag: str = "test") -> str:
     finally:
         os.close(fd)
     return name
+
+
+def run_threads(worker: Callable[[int], None], n: int, timeout: float = 120.0) -> list[BaseException]:
+    """Run ``worker(i)`` for ``i in range(n)`` on threads; return what they raised.
+
+    Fails the test if a thread is still running after ``timeout`` seconds.
+    """
+    errors: list[BaseException] = []
+
+    def run(i: int) -> None:
+        try:
+            worker(i)
+        except BaseException as err:  # reported to the caller
+            errors.append(err)
+
+    threads = [threading.Thread(target=run, args=(i,), name=f"test-worker-{i}") for i in range(n)]
+    for th in threads:
+        th.start()
+    for th in threads:
+        th.join(timeout)
+    assert not any(th.is_alive() for th in threads), f"a worker ran over {timeout}s"
+    return errors

@@ -4,11 +4,13 @@ objects (against the real server)."""
 
 from __future__ import annotations
 
-import threading
+import contextlib
+from collections.abc import Iterator
+from typing import Any
 
 import pytest
 import torch
-from conftest import make_model, rand_tokens, unique_model_name
+from conftest import make_model, rand_tokens, run_threads, unique_model_name
 
 import lmcache_kv_fast.kvcache as lmc_sdk
 from lmcache_kv_fast import KVLayout
@@ -26,11 +28,23 @@ def _no_locks(server) -> None:
     assert l1["read_locked_count"] == 0 and l1["write_locked_count"] == 0
 
 
-def test_hinted_retrieve_is_exact_and_hides_nothing_wrong(server_shm):
-    model = make_model(server_shm)
-    toks, kv = rand_tokens(3 * C, seed=1), model.kv(3 * C, seed=1)
-    with lmc_sdk.connect(server_shm.url, server_shm.http_url, model.name) as ctx:
+@contextlib.contextmanager
+def _stored(server, chunks: int, seed: int, **kw: Any) -> Iterator[tuple[Any, list[int], Any]]:
+    """A context on a fresh model with ``chunks`` random chunks stored; yields (ctx, toks, kv).
+
+    Afterwards no lock may be left on an SHM server.
+    """
+    model = make_model(server)
+    toks, kv = rand_tokens(chunks * C, seed=seed), model.kv(chunks * C, seed=seed)
+    with lmc_sdk.connect(server.url, server.http_url, model.name, **kw) as ctx:
         assert ctx.store(kv, toks)
+        yield ctx, toks, kv
+    if ctx.transport == "shm":
+        _no_locks(server)
+
+
+def test_hinted_retrieve_is_exact_and_hides_nothing_wrong(server_shm):
+    with _stored(server_shm, 3, seed=1) as (ctx, toks, kv):
         got = ctx.retrieve(toks)  # hinted by the store's slots
         assert torch.equal(got, kv)
         t = ctx.last_timing
@@ -43,16 +57,12 @@ def test_hinted_retrieve_is_exact_and_hides_nothing_wrong(server_shm):
         assert ctx.last_timing.hinted == 0
         assert torch.equal(ctx.retrieve(toks[: 2 * C]), kv[:, :, : 2 * C])
         assert ctx.last_timing.hinted == 2
-    _no_locks(server_shm)
 
 
 @pytest.mark.parametrize("use_out", [False, True])
 def test_stale_hint_is_copied_again(server_shm, use_out):
     """A hint naming other objects (here: the chunks swapped) costs a second copy only."""
-    model = make_model(server_shm)
-    toks, kv = rand_tokens(2 * C, seed=2), model.kv(2 * C, seed=2)
-    with lmc_sdk.connect(server_shm.url, server_shm.http_url, model.name) as ctx:
-        assert ctx.store(kv, toks)
+    with _stored(server_shm, 2, seed=2) as (ctx, toks, kv):
         (key, slots), = _hints(ctx).items()
         _hints(ctx)[key] = [slots[1], slots[0]]
         out = torch.zeros_like(kv) if use_out else None
@@ -63,22 +73,17 @@ def test_stale_hint_is_copied_again(server_shm, use_out):
         assert _hints(ctx)[key] == slots  # corrected from the reply
         assert torch.equal(ctx.retrieve(toks, out=out), kv)
         assert ctx.last_timing.hinted == 2
-    _no_locks(server_shm)
 
 
 def test_hint_outside_the_pool_is_not_read(server_shm):
-    model = make_model(server_shm)
-    toks, kv = rand_tokens(C, seed=3), model.kv(C, seed=3)
-    with lmc_sdk.connect(server_shm.url, server_shm.http_url, model.name) as ctx:
-        assert ctx.store(kv, toks)
+    with _stored(server_shm, 1, seed=3) as (ctx, toks, kv):
         (key, slots), = _hints(ctx).items()
-        bad = Slot(offset=ctx._shm.segment.size + 4096, length=slots[0].length, shape=slots[0].shape,
-                   dtype=slots[0].dtype)
+        bad = Slot(offset=ctx._shm.segment.size + 4096, length=slots[0].length,
+                   shape=slots[0].shape, dtype=slots[0].dtype)
         _hints(ctx)[key] = [bad]
         assert torch.equal(ctx.retrieve(toks), kv)
         t = ctx.last_timing
         assert (t.hinted, t.rehinted) == (0, 0)
-    _no_locks(server_shm)
 
 
 def test_prefix_stored_again_elsewhere(server_shm):
@@ -102,23 +107,11 @@ def test_prefix_stored_again_elsewhere(server_shm):
     _no_locks(server_shm)
 
 
-def test_read_hints_off(server_shm):
-    model = make_model(server_shm)
-    toks, kv = rand_tokens(2 * C, seed=8), model.kv(2 * C, seed=8)
-    with lmc_sdk.connect(server_shm.url, server_shm.http_url, model.name,
-                         read_hints=False) as ctx:
-        assert ctx.store(kv, toks)
-        for _ in range(2):
-            assert torch.equal(ctx.retrieve(toks), kv)
-            assert ctx.last_timing.hinted == 0
-        assert not _hints(ctx)
-
-
-def test_pickle_plane_takes_no_hints(server_pickle):
-    model = make_model(server_pickle)
-    toks, kv = rand_tokens(2 * C, seed=9), model.kv(2 * C, seed=9)
-    with lmc_sdk.connect(server_pickle.url, server_pickle.http_url, model.name) as ctx:
-        assert ctx.store(kv, toks)
+@pytest.mark.parametrize("plane", ["shm, hints off", "pickle"])
+def test_no_hints(request, plane):
+    """``read_hints=False``, and the pickle plane (no slots): plain retrieves."""
+    server = request.getfixturevalue("server_pickle" if plane == "pickle" else "server_shm")
+    with _stored(server, 2, seed=8, read_hints=plane == "pickle") as (ctx, toks, kv):
         for _ in range(2):
             assert torch.equal(ctx.retrieve(toks), kv)
             assert ctx.last_timing.hinted == 0
@@ -145,24 +138,16 @@ def test_tensor_parallel_shards_hinted(server_shm):
 def test_hints_shared_by_threads(server_shm):
     model = make_model(server_shm)
     seqs = [(rand_tokens(2 * C, seed=20 + i), model.kv(2 * C, seed=20 + i)) for i in range(4)]
-    errors: list[BaseException] = []
     with lmc_sdk.connect(server_shm.url, server_shm.http_url, model.name) as ctx:
         for toks, kv in seqs:
             assert ctx.store(kv, toks)
 
         def run(i: int) -> None:
-            try:
-                for j in range(6):
-                    toks, kv = seqs[(i + j) % len(seqs)]
-                    assert torch.equal(ctx.retrieve(toks), kv)
-            except BaseException as err:  # reported below
-                errors.append(err)
+            for j in range(6):
+                toks, kv = seqs[(i + j) % len(seqs)]
+                assert torch.equal(ctx.retrieve(toks), kv)
 
-        threads = [threading.Thread(target=run, args=(i,)) for i in range(3)]
-        for th in threads:
-            th.start()
-        for th in threads:
-            th.join()
+        errors = run_threads(run, 3)
     assert not errors, errors
     _no_locks(server_shm)
 
@@ -171,10 +156,7 @@ def test_hints_bounded_lru(server_shm):
     """At most SLOT_HINTS_MAX prefixes are remembered; a prefix read again stays."""
     from lmcache_kv_fast.context import SLOT_HINTS_MAX
 
-    model = make_model(server_shm)
-    toks, kv = rand_tokens(C, seed=30), model.kv(C, seed=30)
-    with lmc_sdk.connect(server_shm.url, server_shm.http_url, model.name) as ctx:
-        assert ctx.store(kv, toks)
+    with _stored(server_shm, 1, seed=30) as (ctx, toks, kv):
         (key, slots), = _hints(ctx).items()
         for i in range(SLOT_HINTS_MAX - 1):  # fill up behind it
             ctx._remember_slots(("other", C, i, 0), slots)
@@ -186,4 +168,3 @@ def test_hints_bounded_lru(server_shm):
         assert key in _hints(ctx) and ("other", C, 0, 0) not in _hints(ctx)
         assert torch.equal(ctx.retrieve(toks), kv)
         assert ctx.last_timing.hinted == 1
-    _no_locks(server_shm)

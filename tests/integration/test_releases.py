@@ -9,12 +9,11 @@ from __future__ import annotations
 
 import os
 import signal
-import threading
 import time
 
 import pytest
 import torch
-from conftest import make_model, rand_tokens
+from conftest import make_model, rand_tokens, run_threads
 
 import lmcache_kv_fast.kvcache as lmc_sdk
 
@@ -53,26 +52,17 @@ def test_identical_keys_across_threads(server, model):
     """Identical retrieves (and stores) racing on threads: every lock and session released."""
     toks = rand_tokens(2 * C, seed=22)
     kv = model.kv(2 * C, 22)
-    errors: list[BaseException] = []
     with lmc_sdk.connect(server.url, server.http_url, model.name) as ctx:
         assert ctx.store(kv, toks)
 
         def worker(i: int) -> None:
-            try:
-                for j in range(25):
-                    if (i + j) % 5 == 0:
-                        assert ctx.store(kv, toks)  # already cached: a no-op write
-                    got = ctx.retrieve(toks)
-                    assert got is not None and torch.equal(got, kv)
-            except BaseException as err:  # reported below
-                errors.append(err)
+            for j in range(25):
+                if (i + j) % 5 == 0:
+                    assert ctx.store(kv, toks)  # already cached: a no-op write
+                got = ctx.retrieve(toks)
+                assert got is not None and torch.equal(got, kv)
 
-        threads = [threading.Thread(target=worker, args=(i,)) for i in range(3)]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join(timeout=120)
-        assert not any(t.is_alive() for t in threads)
+        errors = run_threads(worker, 3)
         assert not errors, errors[0]
         assert _left(server) == (0, 0, 0)
 
