@@ -141,11 +141,11 @@ class OpTiming:
         rpcs: Replies waited for (releases sent without waiting, a retrieve's
             ``commit_retrieve`` and ``end_session``, not counted).
         chunks: Whole chunks the call moved (0 for a lookup or a miss).
-        hinted: Chunks of a retrieve read (every shard) from where they lay last time
-            while the server answered ``prepare_retrieve``, and kept because the reply
-            named the same objects (see ``read_hints`` of :func:`~lmcache_kv_fast.connect`).
-        rehinted: Chunks read that way and read again (some shard) because the reply
-            named other objects (both copies count in ``copy_s``).
+        hinted: Chunks of a retrieve read (on every shard) from where they lay last time
+            before the server's ``prepare_retrieve`` reply came, and kept because the reply
+            named the same slots (see ``read_hints`` of :func:`~lmcache_kv_fast.connect`).
+        rehinted: Chunks read that way and read again (on some shard) because the reply
+            named other slots (both copies count in ``copy_s``).
     """
 
     op: str
@@ -284,8 +284,9 @@ class LMCacheKVCacheContext:
         world_size: Tensor-parallel KV shards (with ``layout``; else from ``/status``).
         copy_threads: Threads of the native copy pool (None: env or usable cores).
         heartbeat: Ping the server so it never reaps this live client (doc §3.11).
-        read_hints: Copy a retrieved prefix from where it lay last time while the server
-            answers ``prepare_retrieve`` (SHM only; kept only when the reply confirms it).
+        read_hints: Copy a retrieved prefix from where it lay last time until the server's
+            ``prepare_retrieve`` reply is in (SHM only; each chunk kept only when the reply
+            names the slot it was read from).
 
     Raises:
         KVCacheSDKError: The server cannot be used (see the message for why).
@@ -899,10 +900,10 @@ class LMCacheKVCacheContext:
         resps: dict[int, PrepareRetrieveResponse] = {}
         hint_key = self._hint_key(same_key)
         dst: torch.Tensor | None = None
-        copied: dict[int, list[Slot]] = {}
+        early: dict[int, tuple[list[Slot], int]] = {}
         try:
             if hint_key is not None:  # copy while the server answers (hint checked below)
-                dst, copied = self._speculative_gather(hint_key, ranks, n, out)
+                dst, early = self._speculative_gather(ch, calls, hint_key, ranks, n, out)
             for r in ranks:
                 resps[r] = ch.wait(calls[r], PrepareRetrieveResponse)
         except BaseException:
@@ -921,22 +922,29 @@ class LMCacheKVCacheContext:
                     ta = time.perf_counter()
                     dst = self._backend.alloc_result(self.kv_shape(hit), self._dtype)
                     self._tls.alloc_s = time.perf_counter() - ta
-                kept = 0
+                kept, redone = n, 0
                 for r in ranks:
                     slots = resps[r].context.slots
+                    todo = range(n)
+                    hint, k = early.get(r, ([], 0))
                     if hint_key is not None and slots and not resps[r].data:
-                        if r in copied and copied[r] == slots:
-                            kept += 1
-                            continue  # read while the reply was on its way: same objects
-                        self._remember_slots((*hint_key, r), slots)
+                        # a chunk read early is right iff the reply names the slot it was
+                        # read from: the lookup's lock kept that object there since
+                        ok_early = [i for i in range(min(k, len(slots))) if slots[i] == hint[i]]
+                        kept, redone = min(kept, len(ok_early)), max(redone, k - len(ok_early))
+                        if len(ok_early) == n == len(slots):
+                            continue  # all read while the reply was on its way
+                        if slots != hint:
+                            self._remember_slots((*hint_key, r), slots)
+                        done = set(ok_early)
+                        todo = [i for i in range(n) if i not in done]
+                    else:
+                        kept = 0
                     regions = self._retrieve_regions(resps[r], n, "prepare_retrieve")
-                    self._copy(self._backend.gather, dst, range(n), regions,
+                    self._copy(self._backend.gather, dst, todo, [regions[i] for i in todo],
                                self._shard_cols[r])
                 self._tls.chunks = n
-                if kept == len(ranks):
-                    self._tls.hinted = n
-                elif len(copied) > kept:
-                    self._tls.rehinted = n
+                self._tls.hinted, self._tls.rehinted = kept, redone
                 result = dst if out is None else out.narrow(-2, 0, hit)
         finally:
             # SHM: commit releases the read lock of each object read; pickle: no-op.
@@ -953,19 +961,22 @@ class LMCacheKVCacheContext:
             return None
         return same_key
 
-    def _speculative_gather(self, hint_key: tuple[Any, ...], ranks: list[int], n: int,
+    def _speculative_gather(self, ch: Channel, calls: dict[int, PendingCall],
+                            hint_key: tuple[Any, ...], ranks: list[int], n: int,
                             out: torch.Tensor | None
-                            ) -> tuple[torch.Tensor | None, dict[int, list[Slot]]]:
-        """Gather from where the chunks lay last time, while prepare_retrieve is answered.
+                            ) -> tuple[torch.Tensor | None, dict[int, tuple[list[Slot], int]]]:
+        """Gather from where the chunks lay last time until prepare_retrieve has answered.
 
         Runs after the lookup locked the ``n`` chunks, so none of them can move, change or
-        be freed until the retrieve commits. The caller keeps a shard's copy only if the
-        reply names exactly the slots read: then every byte read belonged to the locked
-        objects. Otherwise (the prefix was evicted and stored again elsewhere, or the hint
-        key collided) it copies again from the reply's slots, so a stale hint costs one
-        extra copy, never a wrong byte. The hint's slots are validated against the mapping
-        like any reply's. Returns the destination (allocated when ``out`` is None) and the
-        slots read per shard.
+        be freed until the retrieve commits. Chunk by chunk, as long as the shard's reply
+        has not arrived (so a stale hint costs at most the copies made while the server
+        answered). The caller keeps chunk ``i`` only if the reply names the slot it was
+        read from: then every byte read belonged to that locked object. Otherwise (the
+        prefix was evicted and stored again elsewhere, or the hint key collided) it copies
+        the chunk again from the reply's slot, so a stale hint never gives a wrong byte.
+        The hint's slots are validated against the mapping like any reply's. Returns the
+        destination (allocated when ``out`` is None) and, per shard, the hint and how many
+        of its leading chunks were copied.
         """
         with self._slot_hints_mutex:
             hints = {r: self._slot_hints.get((*hint_key, r)) for r in ranks}
@@ -981,7 +992,7 @@ class LMCacheKVCacheContext:
             ta = time.perf_counter()
             dst = self._backend.alloc_result(self.kv_shape(hit), self._dtype)
             self._tls.alloc_s = time.perf_counter() - ta
-        copied: dict[int, list[Slot]] = {}
+        early: dict[int, tuple[list[Slot], int]] = {}
         assert self._shm is not None
         for r in ranks:
             slots = hints[r]
@@ -990,9 +1001,12 @@ class LMCacheKVCacheContext:
                 regions = self._shm.regions(slots, self._geom, self.layout.dtype_str, "hint")
             except KVCacheSDKError:  # the pool changed: copy after the reply instead
                 continue
-            self._copy(self._backend.gather, dst, range(n), regions, self._shard_cols[r])
-            copied[r] = slots
-        return dst, copied
+            k = 0
+            while k < n and not ch.ready(calls[r]):
+                self._copy(self._backend.gather, dst, [k], [regions[k]], self._shard_cols[r])
+                k += 1
+            early[r] = (slots, k)
+        return dst, early
 
     def _remember_slots(self, key: tuple[Any, ...], slots: list[Slot]) -> None:
         """Record where a prefix's chunks lie (bounded LRU)."""

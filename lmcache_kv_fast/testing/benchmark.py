@@ -1426,9 +1426,10 @@ def phase_summary(records: dict[tuple[str, str], dict[str, Any]],
     ``copy_x_roof`` is the roofline copy's median time over the call's median copy time
     (1.0: the chunk copy runs as fast as a flat memcpy of the same bytes). With ``pings``
     (:func:`merge_pings`), ``ping_s`` is the median ``ping`` round trip to the path's server
-    between the op's reps, ``rtt_s`` = (``rpcs`` - ``hinted_share``) x ``ping_s`` (the
-    replies' share that a no-op RPC costs too; a hinted retrieve's ``prepare_retrieve``
-    reply arrives during its copy and costs none) and ``server_s`` = ``wait_s`` - ``rtt_s``
+    between the op's reps, ``rtt_s`` = (``rpcs`` - ``early_calls``) x ``ping_s`` (the
+    replies' share that a no-op RPC costs too; a retrieve that read chunks early from
+    read hints got its ``prepare_retrieve`` reply during a copy, which costs none;
+    ``hinted_share`` is the share of chunks read early and kept) and ``server_s`` = ``wait_s`` - ``rtt_s``
     (the server's work on the calls' requests, queueing behind its own threads included);
     None without pings.
     """
@@ -1441,9 +1442,13 @@ def phase_summary(records: dict[tuple[str, str], dict[str, Any]],
             med = {k: statistics.median(ph[k] for ph in phases)
                    for k in ("total_s", "wait_s", "copy_s", "alloc_s", "client_s", "rpcs",
                              "chunks")}
-            # share of the calls' chunks read early from read hints (context.py _fetch)
+            # share of the calls' chunks read early from read hints and kept (context.py
+            # _fetch), and of the calls that read any early: their prepare_retrieve reply
+            # came during a copy
             moved = sum(ph["chunks"] for ph in phases)
             hinted = sum(ph.get("hinted", 0) for ph in phases) / moved if moved else 0.0
+            early = sum(1 for ph in phases if ph.get("hinted", 0) + ph.get("rehinted", 0))
+            early_calls = early / len(phases)
             ref = roofline_ref(path, op, default_threads)
             roof = records.get(ref) if ref else None
             x_roof = None
@@ -1452,10 +1457,9 @@ def phase_summary(records: dict[tuple[str, str], dict[str, Any]],
             server = "pickle" if path == KVF_PICKLE else "shm"
             xs = ((pings or {}).get(server) or {}).get(op) or []
             ping = statistics.median(xs) if xs else None
-            # a hinted retrieve's prepare_retrieve reply came during its copy: no round trip
-            rtt = None if ping is None else max(0.0, med["rpcs"] - hinted) * ping
+            rtt = None if ping is None else max(0.0, med["rpcs"] - early_calls) * ping
             out.append({"path": path, "op": op, "n": len(phases), **med, "copy_x_roof": x_roof,
-                        "hinted_share": hinted,
+                        "hinted_share": hinted, "early_calls": early_calls,
                         "ping_s": ping, "rtt_s": rtt,
                         "server_s": None if rtt is None else max(0.0, med["wait_s"] - rtt)})
     return out
@@ -1487,14 +1491,14 @@ def print_phases(phases: Sequence[dict[str, Any]], default_threads: int,
               f"{p['alloc_s'] * 1e3:8.2f} {p['client_s'] * 1e3:9.2f} "
               f"{_fmt(p['copy_x_roof']):>11s} {hinted(p):>6s}", file=out)
     print("medians of ctx.last_timing per call: waits = blocked on server replies (a "
-          "retrieve's commit is not awaited), split into rtt = rpcs (less the hinted "
-          "prepare_retrieve replies, which come during the copy) x the median round trip "
+          "retrieve's commit is not awaited), split into rtt = rpcs (less prepare_retrieve "
+          "replies that came while hinted chunks were copied) x the median round trip "
           "of a no-op ping between the reps and server = the rest (the server's own work on "
           "the requests); copy = the chunk scatter/gather, alloc = a drop-in retrieve's "
           "result buffer, client = the rest of the call; copy x roof = the flat-memcpy "
           "roofline's time / the copy's time; hinted = share of a retrieve's chunks read "
-          "from where they lay last time while prepare_retrieve was answered (read hints: "
-          "the reps repeat one prefix)", file=out)
+          "from where they lay last time before the prepare_retrieve reply came (read "
+          "hints: the reps repeat one prefix)", file=out)
 
 
 def ic_summary(ic: dict[str, dict[str, list[float]]]) -> dict[str, dict[str, float]]:

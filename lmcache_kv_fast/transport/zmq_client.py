@@ -248,6 +248,12 @@ class Channel:
             parts.extend(f.buffer for f in frames[2:])
             self._parked[uid_frame] = parts
 
+    def ready(self, call: PendingCall) -> bool:
+        """Whether the reply of ``call`` has arrived (never blocks; receives what is there)."""
+        if call.uid_frame not in self._parked and self.sock.poll(0, zmq.POLLIN):
+            self._drain()
+        return call.uid_frame in self._parked
+
     def discard(self, call: PendingCall) -> None:
         """Forget ``call``: a reply that still arrives is dropped."""
         self._inflight.pop(call.uid_frame, None)

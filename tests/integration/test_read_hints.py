@@ -15,6 +15,7 @@ from conftest import make_model, rand_tokens, run_threads, unique_model_name
 import lmcache_kv_fast.kvcache as lmc_sdk
 from lmcache_kv_fast import KVLayout
 from lmcache_kv_fast.protocol.types import Slot
+from lmcache_kv_fast.transport.zmq_client import Channel
 
 C = 256
 
@@ -26,6 +27,25 @@ def _hints(ctx) -> dict:
 def _no_locks(server) -> None:
     l1 = server.status()["storage_manager"]["l1_manager"]
     assert l1["read_locked_count"] == 0 and l1["write_locked_count"] == 0
+
+
+@pytest.fixture
+def slow_replies(monkeypatch) -> list[int]:
+    """prepare_retrieve replies look late: a hinted retrieve reads every chunk early.
+
+    (A retrieve reads hinted chunks only until the reply is there, which on these small
+    test chunks is a matter of timing.) Append to the returned list to let the reply show
+    up after that many chunks instead.
+    """
+    after: list[int] = []
+    seen = {"n": 0}
+
+    def ready(self, call) -> bool:
+        seen["n"] += 1
+        return bool(after) and seen["n"] > after[0]
+
+    monkeypatch.setattr(Channel, "ready", ready)
+    return after
 
 
 @contextlib.contextmanager
@@ -43,7 +63,7 @@ def _stored(server, chunks: int, seed: int, **kw: Any) -> Iterator[tuple[Any, li
         _no_locks(server)
 
 
-def test_hinted_retrieve_is_exact_and_hides_nothing_wrong(server_shm):
+def test_hinted_retrieve_is_exact_and_hides_nothing_wrong(server_shm, slow_replies):
     with _stored(server_shm, 3, seed=1) as (ctx, toks, kv):
         got = ctx.retrieve(toks)  # hinted by the store's slots
         assert torch.equal(got, kv)
@@ -60,7 +80,7 @@ def test_hinted_retrieve_is_exact_and_hides_nothing_wrong(server_shm):
 
 
 @pytest.mark.parametrize("use_out", [False, True])
-def test_stale_hint_is_copied_again(server_shm, use_out):
+def test_stale_hint_is_copied_again(server_shm, slow_replies, use_out):
     """A hint naming other objects (here: the chunks swapped) costs a second copy only."""
     with _stored(server_shm, 2, seed=2) as (ctx, toks, kv):
         (key, slots), = _hints(ctx).items()
@@ -86,7 +106,7 @@ def test_hint_outside_the_pool_is_not_read(server_shm):
         assert (t.hinted, t.rehinted) == (0, 0)
 
 
-def test_prefix_stored_again_elsewhere(server_shm):
+def test_prefix_stored_again_elsewhere(server_shm, slow_replies):
     """Cleared and stored again (other bytes, maybe other slots): the new bytes come back."""
     model = make_model(server_shm)
     toks = rand_tokens(2 * C, seed=4)
@@ -118,7 +138,7 @@ def test_no_hints(request, plane):
         assert not _hints(ctx)
 
 
-def test_tensor_parallel_shards_hinted(server_shm):
+def test_tensor_parallel_shards_hinted(server_shm, slow_replies):
     lay = KVLayout(num_layers=3, num_kv_heads=8, head_dim=64, dtype=torch.bfloat16)
     toks, kv = rand_tokens(2 * C, seed=10), torch.randn(2, 3, 2 * C, 512).bfloat16()
     with lmc_sdk.connect(server_shm.url, server_shm.http_url, unique_model_name("tph"),
@@ -152,7 +172,7 @@ def test_hints_shared_by_threads(server_shm):
     _no_locks(server_shm)
 
 
-def test_hints_bounded_lru(server_shm):
+def test_hints_bounded_lru(server_shm, slow_replies):
     """At most SLOT_HINTS_MAX prefixes are remembered; a prefix read again stays."""
     from lmcache_kv_fast.context import SLOT_HINTS_MAX
 
@@ -168,3 +188,28 @@ def test_hints_bounded_lru(server_shm):
         assert key in _hints(ctx) and ("other", C, 0, 0) not in _hints(ctx)
         assert torch.equal(ctx.retrieve(toks), kv)
         assert ctx.last_timing.hinted == 1
+
+
+@pytest.mark.parametrize("stale", [False, True])
+def test_reply_during_the_early_reads(server_shm, slow_replies, stale):
+    """The reply arrives after one early chunk: the rest come from the reply's slots."""
+    slow_replies.append(1)
+    with _stored(server_shm, 3, seed=40) as (ctx, toks, kv):
+        (key, slots), = _hints(ctx).items()
+        if stale:
+            _hints(ctx)[key] = [slots[2], slots[1], slots[0]]  # chunk 1 stays right
+        out = torch.zeros_like(kv)
+        assert torch.equal(ctx.retrieve(toks, out=out), kv)
+        t = ctx.last_timing
+        assert (t.hinted, t.rehinted) == ((0, 1) if stale else (1, 0))
+        assert _hints(ctx)[key] == slots
+
+
+def test_real_reply_timing(server_shm):
+    """Unpatched: however many chunks are read before the reply, the bytes are right."""
+    with _stored(server_shm, 4, seed=41) as (ctx, toks, kv):
+        out = torch.zeros_like(kv)
+        for _ in range(5):
+            assert torch.equal(ctx.retrieve(toks, out=out), kv)
+            t = ctx.last_timing
+            assert 0 <= t.hinted <= 4 and t.rehinted == 0
