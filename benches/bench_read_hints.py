@@ -9,15 +9,19 @@ same bytes, the roofline, runs before every call, like other work between calls:
 server has finished the previous call's deferred release) and ``back-to-back`` (the next
 call's requests queue behind that release; the roofline is timed once per rep). Prints
 medians, hinted / plain, stale / plain and each flow's fraction of the roofline (median of
-per-rep ratios).
+per-rep ratios). ``--pin`` gives the server a core of its own (the server's threads on
+CPU 1, this process and one copy thread on CPU 0), as on a host with cores to spare: the
+server's handling of ``prepare_retrieve`` then overlaps the copy instead of taking a core
+from it.
 
-    python benches/bench_read_hints.py [--reps 100] [--sizes w2,w1]
+    python benches/bench_read_hints.py [--reps 100] [--sizes w2,w1] [--pin]
 """
 
 from __future__ import annotations
 
 import argparse
 import logging
+import os
 import statistics
 import time
 from typing import Any
@@ -55,14 +59,28 @@ def _retrieve(ctx: Any, toks: list[int], out: torch.Tensor | None, flow: str,
     return dt
 
 
-def run(size: str, reps: int) -> dict[tuple[str, str], dict[str, list[float]]]:
+def _pin(pid: int, cpus: set[int]) -> None:
+    """Set the CPU affinity of every thread of ``pid``."""
+    for tid in os.listdir(f"/proc/{pid}/task"):
+        try:
+            os.sched_setaffinity(int(tid), cpus)
+        except OSError:  # the thread ended meanwhile
+            pass
+
+
+def run(size: str, reps: int, pin: bool = False) -> dict[tuple[str, str], dict[str, list[float]]]:
     """Seconds per call of every flow and the roofline, per (pattern, call kind)."""
     layers, tokens = SIZES[size]
     nbytes = 2 * layers * tokens * 1024 * 2
     lay = KVLayout(num_layers=layers, num_kv_heads=8, head_dim=128, dtype=torch.bfloat16)
     res: dict[tuple[str, str], dict[str, list[float]]] = {}
     with LMCacheServer(l1_size_gb=max(1.0, 4 * nbytes / 2**30)) as srv, \
-            lmc_sdk.connect(srv.url, srv.http_url, f"bench-hints-{size}", layout=lay) as ctx:
+            lmc_sdk.connect(srv.url, srv.http_url, f"bench-hints-{size}", layout=lay,
+                            copy_threads=1 if pin else None) as ctx:
+        if pin:
+            assert srv.proc is not None
+            _pin(srv.proc.pid, {1})
+            _pin(os.getpid(), {0})
         kv = torch.randn(2, layers, tokens, 1024).to(torch.bfloat16)
         toks = list(range(tokens))
         spare = list(range(10**6, 10**6 + 256))
@@ -103,14 +121,18 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--reps", type=int, default=100)
     ap.add_argument("--sizes", default="w2,w1")
+    ap.add_argument("--pin", action="store_true",
+                    help="server threads on CPU 1; this process, 1 copy thread, on CPU 0")
     args = ap.parse_args()
+    if args.pin and len(os.sched_getaffinity(0)) < 2:
+        ap.error("--pin needs CPUs 0 and 1")
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     logger.info("%-4s %-12s %-8s %9s %9s %9s %9s %12s %11s %s", "size", "pattern", "call",
                 "hinted ms", "plain ms", "stale ms", "memcpy ms", "hinted/plain",
                 "stale/plain", "x roof hinted / plain / stale")
     for size in args.sizes.split(","):
         reps = args.reps if size == "w2" else max(10, args.reps // 5)
-        for (pattern, mode), t in run(size, reps).items():
+        for (pattern, mode), t in run(size, reps, args.pin).items():
             med = {f: statistics.median(t[f]) for f in FLOWS}
             roof = {f: statistics.median(r / x for r, x in zip(t[f"roof {f}"], t[f], strict=True))
                     for f in FLOWS}
