@@ -259,3 +259,24 @@ def test_bench_read_hints_runs() -> None:
                                             for call in ("drop-in", "out")}
     for r in rows:  # hinted, plain, stale, memcpy ms and the ratios: positive, finite
         assert all(math.isfinite(float(x)) and float(x) > 0 for x in r[3:10]), r
+
+
+@pytest.mark.timeout(120)
+def test_bench_store_limits_runs() -> None:
+    """benches/bench_store_limits.py (plain / pipelined / prewarmed stores) runs and prints rows."""
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(
+        [str(ROOT), *[p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]])}
+    env.pop("LMCACHE_KV_FAST_BACKEND", None)
+    p = subprocess.run(
+        [sys.executable, str(ROOT / "benches" / "bench_store_limits.py"), "--reps", "2",
+         "--layers", "2", "--splits", "1,8"],
+        capture_output=True, text=True, timeout=100, env=env, stdin=subprocess.DEVNULL,
+    )
+    assert p.returncode == 0, p.stderr[-4000:]
+    rows = {ln.split()[0]: ln.split() for ln in p.stderr.splitlines()
+            if ln.split() and ln.split()[0] in ("plain", "split-1", "split-8", "prewarm")}
+    assert set(rows) == {"plain", "split-1", "split-8", "prewarm"}, p.stderr[-2000:]
+    for r in rows.values():  # median ms, x plain, x roof, waits ms: positive, finite
+        assert all(math.isfinite(float(x)) and float(x) > 0 for x in r[1:5]), r
+    assert 0 < float(rows["plain"][5]) <= 1, rows["plain"]  # the ceiling is a fraction
+    assert "right after the roofline copy" in p.stderr
