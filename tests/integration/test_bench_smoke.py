@@ -134,6 +134,14 @@ def test_phase_split_of_waits_by_ping() -> None:
     assert r["ping_s"] is None and r["rtt_s"] is None and r["server_s"] is None
 
 
+def _bench_env() -> dict[str, str]:
+    """The environment of a bench subprocess: this checkout first on the path, default backend."""
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(
+        [str(ROOT), *[p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]])}
+    env.pop("LMCACHE_KV_FAST_BACKEND", None)
+    return env
+
+
 def _positive(xs: list[float]) -> bool:
     return bool(xs) and all(isinstance(x, float) and math.isfinite(x) and x > 0 for x in xs)
 
@@ -141,9 +149,7 @@ def _positive(xs: list[float]) -> bool:
 @pytest.mark.timeout(300)
 def test_bench_quick_json(tmp_path: Path) -> None:
     out = tmp_path / "bench.json"
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(
-        [str(ROOT), *[p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]])}
-    env.pop("LMCACHE_KV_FAST_BACKEND", None)
+    env = _bench_env()
     p = subprocess.run(
         [sys.executable, "-m", "lmcache_kv_fast", "bench", "--quick", "--no-progress",
          "--json", str(out)],
@@ -242,18 +248,21 @@ def test_bench_quick_json(tmp_path: Path) -> None:
     assert "ceiling" in p.stdout and "beyond their ceiling" in p.stdout
 
 
-@pytest.mark.timeout(120)
-def test_bench_read_hints_runs() -> None:
-    """benches/bench_read_hints.py (hinted / plain / stale side by side) runs and prints rows."""
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(
-        [str(ROOT), *[p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]])}
-    env.pop("LMCACHE_KV_FAST_BACKEND", None)
+def _run_bench_script(name: str, *args: str) -> subprocess.CompletedProcess[str]:
+    """Run ``benches/<name>`` (this checkout on the path, the default backend); assert rc 0."""
+    env = _bench_env()
     p = subprocess.run(
-        [sys.executable, str(ROOT / "benches" / "bench_read_hints.py"), "--reps", "3",
-         "--sizes", "w2"],
+        [sys.executable, str(ROOT / "benches" / name), *args],
         capture_output=True, text=True, timeout=100, env=env, stdin=subprocess.DEVNULL,
     )
     assert p.returncode == 0, p.stderr[-4000:]
+    return p
+
+
+@pytest.mark.timeout(120)
+def test_bench_read_hints_runs() -> None:
+    """benches/bench_read_hints.py (hinted / plain / stale side by side) runs and prints rows."""
+    p = _run_bench_script("bench_read_hints.py", "--reps", "3", "--sizes", "w2")
     rows = [ln.split() for ln in p.stderr.splitlines() if ln.startswith("w2 ")]
     assert {(r[1], r[2]) for r in rows} == {(pat, call) for pat in ("separated", "back-to-back")
                                             for call in ("drop-in", "out")}
@@ -264,15 +273,8 @@ def test_bench_read_hints_runs() -> None:
 @pytest.mark.timeout(120)
 def test_bench_store_limits_runs() -> None:
     """benches/bench_store_limits.py (plain / pipelined / prewarmed stores) runs and prints rows."""
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(
-        [str(ROOT), *[p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]])}
-    env.pop("LMCACHE_KV_FAST_BACKEND", None)
-    p = subprocess.run(
-        [sys.executable, str(ROOT / "benches" / "bench_store_limits.py"), "--reps", "2",
-         "--layers", "2", "--splits", "1,8"],
-        capture_output=True, text=True, timeout=100, env=env, stdin=subprocess.DEVNULL,
-    )
-    assert p.returncode == 0, p.stderr[-4000:]
+    p = _run_bench_script("bench_store_limits.py", "--reps", "2", "--layers", "2",
+                          "--splits", "1,8")
     rows = {ln.split()[0]: ln.split() for ln in p.stderr.splitlines()
             if ln.split() and ln.split()[0] in ("plain", "split-1", "split-8", "prewarm")}
     assert set(rows) == {"plain", "split-1", "split-8", "prewarm"}, p.stderr[-2000:]
