@@ -70,7 +70,7 @@ import time
 import traceback
 import urllib.request
 from collections.abc import Callable, Iterator, Sequence
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
@@ -1699,11 +1699,37 @@ def compute_targets(rows: dict[tuple[str, str], Row],
     return t
 
 
-def print_targets(targets: Sequence[Target], out: Any = None) -> None:
-    """Print the targets section."""
+def reduced_sizes(s: Sizes) -> list[str]:
+    """How ``s`` falls short of the issue's sizes (empty: a run the targets apply to).
+
+    Larger sizes or more repetitions still measure what the targets mean; fewer do not
+    (a 1-rep W3 of 3 short sequences is all fixed costs), nor does another chunk size
+    (W2 is one 256-token chunk).
+    """
+    ref = Sizes()
+    out = [f"chunk {s.chunk} != {ref.chunk}"] if s.chunk != ref.chunk else []
+    return out + [f"{f.name} {getattr(s, f.name)} < {getattr(ref, f.name)}"
+                  for f in fields(Sizes)
+                  if f.name != "chunk" and getattr(s, f.name) < getattr(ref, f.name)]
+
+
+def print_targets(targets: Sequence[Target], out: Any = None,
+                  reduced: Sequence[str] = ()) -> None:
+    """Print the targets section.
+
+    Args:
+        targets: The evaluated targets.
+        out: Stream (stdout when None).
+        reduced: :func:`reduced_sizes` of the run: when any, the verdicts are marked as
+            indicative (the targets are defined on the issue's sizes).
+    """
     out = out or sys.stdout
     print("\ntargets (value: median of per-rep ratios when both sides ran in the same reps "
           "(paired), else ratio of medians; [ratio of minima])", file=out)
+    if reduced:
+        print("INDICATIVE ONLY: this run's sizes are below the ones the targets are defined on "
+              f"({', '.join(reduced[:4])}{', ...' if len(reduced) > 4 else ''}); run "
+              "`lmcache-kv-fast bench` without --quick (~5 minutes) for the verdicts", file=out)
     print("-" * 124, file=out)
     for tg in targets:
         val = f"{_fmt(tg.value, '.3f'):>7s} [{_fmt(tg.best, '.3f'):>6s}]"
@@ -1715,7 +1741,8 @@ def print_targets(targets: Sequence[Target], out: Any = None) -> None:
     n_miss = sum(tg.status == "MISS" for tg in targets)
     beyond = sum(tg.status == "MISS" and tg.reachable is False for tg in targets)
     print(f"{n_pass} PASS, {n_miss} MISS ({beyond} of them beyond their ceiling), "
-          f"{len(targets) - n_pass - n_miss} n/a", file=out)
+          f"{len(targets) - n_pass - n_miss} n/a"
+          + (" -- indicative only (reduced sizes, see above)" if reduced else ""), file=out)
     print("ceiling: the value this run allows a client whose own work is free, from medians: "
           "only the server's replies (this SDK's waits: round trips + server processing) plus "
           "a flat memcpy of the same bytes; a target beyond its ceiling cannot be met against "
@@ -1997,7 +2024,8 @@ def _main(args: argparse.Namespace, t_start: float) -> int:
     print_phases(phases, default_threads)
     if ic:
         print_ic(ic)
-    print_targets(targets)
+    reduced = reduced_sizes(s)
+    print_targets(targets, reduced=reduced)
     for n in notes:
         print(f"note: {n.splitlines()[0][:300]}")
     for e in errors:
@@ -2016,6 +2044,8 @@ def _main(args: argparse.Namespace, t_start: float) -> int:
             "import_connect": {"samples": ic, "summary": ic_summary(ic)},
             "targets": [{**asdict(t), "status": t.status, "reachable": t.reachable}
                         for t in targets],
+            # the targets are defined on the issue's sizes: below them, verdicts are indicative
+            "targets_indicative": bool(reduced), "reduced_sizes": reduced,
             "notes": notes, "errors": errors, "elapsed_s": elapsed,
             "step_seconds": progress.steps,
         }

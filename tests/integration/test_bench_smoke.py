@@ -246,6 +246,28 @@ def test_bench_quick_json(tmp_path: Path) -> None:
         assert targets[n]["reachable"] in (True, False), targets[n]
     assert targets["W1 store cold vs upstream"]["reachable"] is None
     assert "ceiling" in p.stdout and "beyond their ceiling" in p.stdout
+    # a --quick run says its verdicts are indicative: the targets are defined on full sizes
+    assert doc["targets_indicative"] is True and "w1_tokens 1024 < 4096" in doc["reduced_sizes"]
+    assert "INDICATIVE ONLY" in p.stdout and "indicative only (reduced sizes" in p.stdout
+
+
+def test_reduced_sizes_mark_the_verdicts_indicative() -> None:
+    """Only a run at (or above) the issue's sizes gives verdicts; smaller runs say so."""
+    from lmcache_kv_fast.testing import benchmark as b
+
+    assert b.reduced_sizes(b.Sizes()) == []
+    assert b.reduced_sizes(b.Sizes(reps=20, w2_ops=1000)) == []  # more is still the target
+    quick = b.reduced_sizes(b.Sizes(**b.QUICK))
+    assert "w3_sequences 3 < 16" in quick and "reps 3 < 7" in quick
+    assert b.reduced_sizes(b.Sizes(chunk=128)) == ["chunk 128 != 256"]
+
+    tg = [b.Target("W1 store warm vs roofline", 0.5, 0.5, ">=", 0.9)]
+    full, small = io.StringIO(), io.StringIO()
+    b.print_targets(tg, full)
+    b.print_targets(tg, small, reduced=quick)
+    assert "INDICATIVE" not in full.getvalue() and "1 MISS" in full.getvalue()
+    assert "INDICATIVE ONLY" in small.getvalue() and "w1_tokens 1024 < 4096" in small.getvalue()
+    assert "indicative only (reduced sizes" in small.getvalue().splitlines()[-2]
 
 
 def _run_bench_script(name: str, *args: str) -> subprocess.CompletedProcess[str]:
