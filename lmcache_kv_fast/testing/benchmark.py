@@ -1826,7 +1826,8 @@ def build_parser() -> argparse.ArgumentParser:
                         "the pickle plane's server work 2-3x faster for every client) or "
                         "glibc's 'default'")
     g = ap.add_argument_group("what to run")
-    g.add_argument("--quick", action="store_true", help="CI-sized run (< 2 minutes)")
+    g.add_argument("--quick", action="store_true",
+                   help="CI-sized run (< 2 minutes; its target verdicts are only indicative)")
     g.add_argument("--workloads", default=",".join(WORKLOADS), help="subset of W1,W2,W3,W4,IC")
     g.add_argument("--threads", help="native copy thread counts, e.g. 1,2 (default 1..cores)")
     g.add_argument("--no-upstream", action="store_true", help="skip the upstream SDK paths")
