@@ -1,0 +1,395 @@
+"""The pipelined rewrite engine: retrieve -> edit -> store over many items.
+
+One engine under ``batch.rewrite``, and meant for the batched stream's modify phase and
+a distributed rewrite (each worker runs it over its share):
+
+* I/O threads (``io_workers``, each with its own DEALER socket through the context) run
+  the retrieves and the stores, stores first, so a finished edit is never queued behind
+  read-ahead;
+* one edit thread runs the user's ``fn`` under an :class:`~lmcache_kv_fast.edit_policy.EditPolicy`:
+  large op outputs come from the warm result pool (no page faults on fresh memory) and
+  its torch intra-op threads are limited (only that thread), so the edit, the copies and
+  the server share the cores without OpenMP spin-waits;
+* at most ``max_in_flight`` items are alive (retrieved and not yet stored), whatever the
+  length of the input, and results come back in input order (``on_result``).
+
+The edit of one item overlaps the store of the previous one and the retrieve of the next.
+Errors of one item are recorded and the batch goes on; ``KeyboardInterrupt`` (in ``fn``
+or in the caller) or a closed context stops it after the in-flight server calls finished,
+so nothing is left on the server.
+"""
+
+from __future__ import annotations
+
+import collections
+import concurrent.futures as cf
+import inspect
+import itertools
+import logging
+import queue
+import threading
+import time
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from lmcache_kv_fast.batch_core import (
+    BatchReport,
+    ItemResult,
+    Progress,
+    account_store,
+    check_common,
+    item_failed,
+    nbytes,
+)
+from lmcache_kv_fast.context import LMCacheKVCacheContext, normalize_tokens, usable_cores
+from lmcache_kv_fast.copy.select import backend
+from lmcache_kv_fast.edit_policy import EditPolicy, EditRunner
+from lmcache_kv_fast.errors import InvalidArgumentError
+
+logger = logging.getLogger("lmcache_kv_fast.batch")
+
+#: ``fetch(ctx, item)`` -> ``(kv | None, tokens of kv)``: what to edit for an item.
+FetchFn = Callable[[LMCacheKVCacheContext, Any], "tuple[torch.Tensor | None, Sequence[int]]"]
+DEFAULT_IO_WORKERS = 2
+
+
+def accepts_alloc(fn: Callable[..., Any]) -> bool:
+    """Whether ``fn`` takes an ``alloc`` keyword argument."""
+    try:
+        params = inspect.signature(fn).parameters
+    except (TypeError, ValueError):
+        return False
+    p = params.get("alloc")
+    return p is not None and p.kind in (inspect.Parameter.KEYWORD_ONLY,
+                                        inspect.Parameter.POSITIONAL_OR_KEYWORD)
+
+
+def _shares_memory(t: Any, buf: torch.Tensor) -> bool:
+    """Whether ``t`` (what ``fn`` returned) may lie in ``buf``'s memory (True if unsure)."""
+    if not isinstance(t, torch.Tensor):
+        return True
+    try:
+        a, b = t.untyped_storage(), buf.untyped_storage()
+        a0, b0 = a.data_ptr(), b.data_ptr()
+        return a0 < b0 + b.nbytes() and b0 < a0 + a.nbytes()
+    except (RuntimeError, NotImplementedError):
+        return True
+
+
+class _Workers:
+    """``n`` threads serving a priority queue (lower first, FIFO within a priority)."""
+
+    def __init__(self, n: int, name: str, init: Callable[[], None] | None = None) -> None:
+        self._q: queue.PriorityQueue[tuple[int, int, Any, tuple[Any, ...]]] = queue.PriorityQueue()
+        self._seq = itertools.count()
+        self._init = init
+        self._threads = [threading.Thread(target=self._loop, name=f"{name}-{i}", daemon=True)
+                         for i in range(n)]
+        for t in self._threads:
+            t.start()
+
+    def submit(self, prio: int, fn: Callable[..., None], *args: Any) -> None:
+        self._q.put((prio, next(self._seq), fn, args))
+
+    def _loop(self) -> None:
+        if self._init is not None:
+            try:
+                self._init()
+            except Exception as err:  # a policy that cannot apply must not stop the batch
+                logger.warning("edit thread setup failed: %r", err)
+        while True:
+            _, _, fn, args = self._q.get()
+            if fn is None:
+                return
+            fn(*args)  # stage functions handle every exception themselves
+
+    def close(self) -> None:
+        for _ in self._threads:
+            self._q.put((1 << 30, next(self._seq), None, ()))
+        for t in self._threads:
+            t.join()
+
+
+@dataclass
+class _Item:
+    index: int
+    item: Any
+    res: ItemResult
+    done: cf.Future[ItemResult] = field(default_factory=cf.Future)
+    buf: torch.Tensor | None = None
+    kv: torch.Tensor | None = None
+    toks: Sequence[int] = ()
+    new_kv: torch.Tensor | None = None
+    new_toks: Sequence[int] = ()
+    taken: list[torch.Tensor] = field(default_factory=list)
+
+
+class RewriteEngine:
+    """Pipelined ``fetch -> fn -> store`` over items (see the module docstring).
+
+    Args:
+        ctx: Connected context.
+        fn: ``fn(kv, tokens) -> (new_kv, new_tokens)``; with an ``alloc`` keyword it also
+            gets pooled output buffers (see ``batch.rewrite``).
+        cache_salt: Salt for reads and writes.
+        io_workers: Threads for retrieves and stores (default 2, at most ``max_in_flight``).
+        max_in_flight: Items alive at once (memory bound).
+        pool_outputs: Large op outputs of ``fn`` from the warm pool (None: environment,
+            then on); see :mod:`lmcache_kv_fast.edit_policy`.
+        edit_threads: torch intra-op threads of the edit thread (None: environment, then
+            half the usable cores, at least 1).
+        reuse_buffers: Retrieve into a few reused buffers (else the context allocates).
+        fetch: ``fetch(ctx, item) -> (kv | None, tokens)`` (e.g. wait until an engine's
+            store is visible); default: the item is a token sequence, retrieved into a
+            reused buffer.
+        progress: Show a progress bar.
+        desc: Progress label.
+
+    Raises:
+        InvalidArgumentError: Bad arguments.
+    """
+
+    def __init__(self, ctx: LMCacheKVCacheContext, fn: Callable[..., Any], cache_salt: str = "",
+                 *, io_workers: int | None = None, max_in_flight: int = 3,
+                 pool_outputs: bool | None = None, edit_threads: int | None = None,
+                 reuse_buffers: bool = True, fetch: FetchFn | None = None,
+                 progress: bool = False, desc: str = "rewrite") -> None:
+        check_common(ctx, max_in_flight)
+        if not callable(fn):
+            raise InvalidArgumentError(f"fn must be callable, got {type(fn).__name__}")
+        if io_workers is not None and (type(io_workers) is not int or io_workers < 1):
+            raise InvalidArgumentError(f"workers must be a positive int, got {io_workers!r}")
+        self.ctx, self.fn, self.salt = ctx, fn, cache_salt
+        self.max_in_flight = max_in_flight
+        self.io_workers = io_workers or min(max_in_flight, DEFAULT_IO_WORKERS)
+        be = backend()
+        native = be.NAME == "native"
+        self.policy = EditPolicy.resolve(pool_outputs, edit_threads, cores=usable_cores(),
+                                         caller_threads=torch.get_num_threads(), native=native)
+        self._alloc_result = be.alloc_result
+        self.reuse_buffers = reuse_buffers
+        self._fetch_fn = fetch
+        self.progress, self.desc = progress, desc
+        self._out_pool: Any = None
+        if accepts_alloc(fn):
+            from lmcache_kv_fast.batch_pools import OutputPool
+
+            self._out_pool = OutputPool(max_in_flight + 1)
+        self._free: collections.deque[torch.Tensor] = collections.deque()
+        self._free_lock = threading.Lock()
+        self._stop = threading.Event()
+        self._runner: EditRunner | None = None
+        self._io: _Workers | None = None
+        self._edit: _Workers | None = None
+
+    # ------------------------------------------------------------------ buffers
+    def _take(self, tokens: int) -> torch.Tensor | None:
+        if not self.reuse_buffers or tokens <= 0:
+            return None
+        with self._free_lock:
+            for _ in range(len(self._free)):
+                t = self._free.popleft()
+                if t.shape[-2] >= tokens:
+                    return t
+                self._free.append(t)
+        return self._alloc_result(self.ctx.kv_shape(tokens), self.ctx.dtype)
+
+    def _give(self, t: torch.Tensor | None) -> None:
+        if t is not None:
+            with self._free_lock:
+                if len(self._free) < self.max_in_flight:
+                    self._free.append(t)
+
+    # ------------------------------------------------------------------ stages
+    def _finish(self, it: _Item, exc: BaseException | None = None) -> None:
+        self._give(it.buf)
+        it.buf = it.kv = it.new_kv = None
+        if self._out_pool is not None:
+            self._out_pool.give_back(it.taken)
+        if exc is not None:
+            it.done.set_exception(exc)
+        else:
+            it.done.set_result(it.res)
+
+    def _cancelled(self, it: _Item) -> None:
+        it.res.status, it.res.reason = "cancelled", "batch interrupted"
+        self._finish(it)
+
+    def _default_fetch(self, it: _Item) -> tuple[torch.Tensor | None, Sequence[int]]:
+        toks = normalize_tokens(it.item)
+        whole = len(toks) // self.ctx.chunk_size * self.ctx.chunk_size
+        it.buf = self._take(whole)
+        kv = self.ctx.retrieve(toks, self.salt, out=it.buf)
+        return kv, toks
+
+    def _stage_fetch(self, it: _Item) -> None:
+        if self._stop.is_set():
+            return self._cancelled(it)
+        res = it.res
+        t = time.perf_counter()
+        try:
+            if self._fetch_fn is None:
+                kv, toks = self._default_fetch(it)
+            else:
+                kv, toks = self._fetch_fn(self.ctx, it.item)
+        except Exception as err:
+            item_failed(res, "retrieve", err)
+            return self._finish(it)
+        except BaseException as err:  # pragma: no cover - interrupt on an I/O thread
+            self._stop.set()
+            return self._finish(it, err)
+        res.stages["retrieve"] = time.perf_counter() - t
+        if kv is None:
+            res.status, res.stage, res.reason = "missed", "retrieve", "nothing cached"
+            return self._finish(it)
+        hit = kv.shape[-2]
+        res.tokens, res.nbytes = hit, nbytes(kv)
+        it.kv, it.toks = kv, list(toks[:hit])
+        assert self._edit is not None
+        self._edit.submit(0, self._stage_edit, it)
+        return None
+
+    def _stage_edit(self, it: _Item) -> None:
+        if self._stop.is_set():
+            return self._cancelled(it)
+        res, runner = it.res, self._runner
+        assert runner is not None
+        t = time.perf_counter()
+        try:
+            if self._out_pool is not None:
+                pool, taken, dt = self._out_pool, it.taken, self.ctx.dtype
+                new_kv, new_toks = runner.call(
+                    self.fn, it.kv, it.toks,
+                    alloc=lambda shape, dtype=dt: pool.alloc(shape, dtype, taken))
+            else:
+                new_kv, new_toks = runner.call(self.fn, it.kv, it.toks)
+        except Exception as err:
+            item_failed(res, "fn", err)
+            return self._finish(it)
+        except BaseException as err:  # KeyboardInterrupt / SystemExit raised by fn
+            self._stop.set()
+            return self._finish(it, err)
+        res.stages["fn"] = time.perf_counter() - t
+        it.kv = None
+        if it.buf is not None and not _shares_memory(new_kv, it.buf):
+            self._give(it.buf)  # the edit is elsewhere: the next retrieve may use it now
+            it.buf = None
+        it.new_kv, it.new_toks = new_kv, new_toks
+        assert self._io is not None
+        self._io.submit(0, self._stage_store, it)
+        return None
+
+    def _stage_store(self, it: _Item) -> None:
+        res = it.res
+        t = time.perf_counter()
+        try:
+            r = self.ctx.store_ex(it.new_kv, it.new_toks, self.salt)  # type: ignore[arg-type]
+        except Exception as err:
+            item_failed(res, "store", err)
+            return self._finish(it)
+        except BaseException as err:  # pragma: no cover
+            self._stop.set()
+            return self._finish(it, err)
+        res.stages["store"] = time.perf_counter() - t
+        account_store(res, it.new_kv, r)  # type: ignore[arg-type]
+        res.value = list(it.new_toks)
+        return self._finish(it)
+
+    # ------------------------------------------------------------------ driver
+    def results(self, items: Iterable[Any], report: BatchReport | None = None,
+                total: int | None = None) -> Iterator[ItemResult]:
+        """Run the batch; yield each item's :class:`ItemResult` in input order.
+
+        ``value`` of an ``ok`` item is its new token list. Cancelled items are counted in
+        ``report.cancelled`` and not yielded.
+        """
+        rep = report if report is not None else BatchReport()
+        ctx = self.ctx
+        self._runner = EditRunner(self.policy, self._alloc_result,
+                                  grad_enabled=torch.is_grad_enabled(),
+                                  inference_mode=torch.is_inference_mode_enabled())
+        self._stop.clear()
+        self._io = _Workers(self.io_workers, "lmcache-kv-batch-io")
+        self._edit = _Workers(1, "lmcache-kv-batch-edit", self._runner.setup)
+        progress = Progress(total, self.desc, self.progress)
+        window: collections.deque[_Item] = collections.deque()
+        t0 = time.perf_counter()
+
+        def collect(it: _Item) -> ItemResult | None:
+            res = it.done.result()
+            if res.status == "cancelled":
+                rep.cancelled += 1
+                return None
+            rep._add(res)
+            progress.update()
+            return res
+
+        try:
+            source = enumerate(items)
+            exhausted = False
+            while True:
+                while not exhausted and len(window) < self.max_in_flight:
+                    if ctx.closed:  # stop feeding; in-flight items finish (or fail: closed)
+                        exhausted = True
+                        rep.cancelled += sum(1 for _ in source)
+                        break
+                    nxt = next(source, None)
+                    if nxt is None:
+                        exhausted = True
+                        break
+                    it = _Item(nxt[0], nxt[1], ItemResult(nxt[0]))
+                    window.append(it)
+                    self._io.submit(1, self._stage_fetch, it)
+                    rep.peak_in_flight = max(rep.peak_in_flight, len(window))
+                if not window:
+                    break
+                res = collect(window.popleft())
+                if res is not None:
+                    yield res
+        except BaseException:
+            # Stop: items not started are cancelled, started server calls finish.
+            self._stop.set()
+            for it in window:
+                try:
+                    collect(it)
+                except BaseException as err:  # already stopping: the first error is raised
+                    logger.debug("in-flight item ended with %r while stopping", err)
+            raise
+        finally:
+            self._stop.set()
+            self._edit.close()
+            self._io.close()
+            rep.seconds = time.perf_counter() - t0
+            mode = self._runner.mode
+            if mode is not None:
+                rep.pooled_outputs += mode.pooled
+            progress.close()
+            if self._runner.policy.threads is not None and not self._runner.threads_set:
+                logger.debug("edit thread count not applied (no libgomp handle)")
+
+    def run(self, items: Iterable[Any], on_result: Callable[[ItemResult], None] | None = None,
+            total: int | None = None) -> BatchReport:
+        """Run the batch; call ``on_result`` per finished item in input order."""
+        rep = BatchReport()
+        gen = self.results(items, rep, total)
+        try:
+            for res in gen:
+                if on_result is not None:
+                    on_result(res)
+        finally:
+            gen.close()  # an exception in on_result stops the batch here, not at GC
+        return rep
+
+
+def run_rewrite(ctx: LMCacheKVCacheContext, items: Iterable[Any], fn: Callable[..., Any],
+                *, on_result: Callable[[ItemResult], None] | None = None,
+                **options: Any) -> BatchReport:
+    """Run a :class:`RewriteEngine` over ``items`` (keyword options as its constructor)."""
+    total = len(items) if isinstance(items, Sequence) else None
+    return RewriteEngine(ctx, fn, **options).run(items, on_result, total)
+
+
+__all__ = ["FetchFn", "RewriteEngine", "accepts_alloc", "run_rewrite"]
