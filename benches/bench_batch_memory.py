@@ -8,7 +8,7 @@ thread reads the process's private RSS (``RssAnon``) every 5 ms. Prints the RSS 
 batch, the peak during it, and the peak growth in units of one sequence's KV, for each
 edit and batch length given, in one process:
 
-    .venv/bin/python benches/bench_batch_memory.py --sequences 8,32,96 --layers 8
+    .venv/bin/python benches/bench_batch_memory.py --sequences 8,32,64 --layers 8
 
 A bounded batch shows the same growth for every length (at most ``max_in_flight``
 sequences alive, each holding its retrieved KV and its edit, plus the kept pools), far
@@ -77,8 +77,13 @@ def drop_every_10th(kv: torch.Tensor, tokens: list[int]) -> tuple[torch.Tensor, 
 
 
 def trim() -> None:
-    """Collect garbage and give freed heap memory back to the OS."""
+    """Collect garbage; give freed heap memory and the idle warm buffers back to the OS.
+
+    Every batch then starts with no pooled buffers, so its growth is its whole working set
+    (a later batch would reuse what the pool kept instead of growing).
+    """
     gc.collect()
+    batch.release_buffers()
     try:
         ctypes.CDLL(None).malloc_trim(0)
     except (OSError, AttributeError):
@@ -87,10 +92,10 @@ def trim() -> None:
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--sequences", default="8,32,96", help="batch lengths, comma-separated")
+    ap.add_argument("--sequences", default="8,32,64", help="batch lengths, comma-separated")
     ap.add_argument("--tokens", type=int, default=2048)
     ap.add_argument("--layers", type=int, default=8)
-    ap.add_argument("--max-in-flight", type=int, default=batch.DEFAULT_MAX_IN_FLIGHT)
+    ap.add_argument("--max-in-flight", type=int, default=batch.REWRITE_MAX_IN_FLIGHT)
     ap.add_argument("--l1-gb", type=float, default=12.0)
     ap.add_argument("--edit", default="alloc,plain", help="edits to run: alloc, plain")
     args = ap.parse_args()

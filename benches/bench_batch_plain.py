@@ -5,12 +5,17 @@ Not part of CI. Starts a real SHM server, then rep by rep alternates (rotating t
 * ``rewrite``: ``batch.rewrite(ctx, prompts, drop_every_10th)`` with the plain edit
   (``kv.index_select(2, torch.tensor(keep))``: fresh output memory every call);
 * ``loop``: this SDK's plain loop ``retrieve -> fn -> store``;
+* ``loop-t1``: the same loop with ``torch.set_num_threads(1)`` (an edit on both cores of a
+  loaded 2-core box spends most of its time in OpenMP spin-waits);
 * ``upstream``: the same loop over ``lmcache.sdk.kvcache`` 0.5.6, in a worker process (it
   never imports this package) driven rep by rep;
 * ``rewrite-alloc``: ``batch.rewrite`` with an edit that writes into ``alloc``;
-* ``fn``: the same N calls of the plain edit alone (on the source tensor), for reference;
+* ``fn`` (not by default): the same N calls of the plain edit alone (on the source
+  tensor, main thread), for reference;
 * ``rewrite-before`` (with ``--before-batch FILE``): ``rewrite`` of another version of
-  ``batch.py`` (e.g. ``git show <commit>:lmcache_kv_fast/batch.py > /tmp/b.py``), paired.
+  ``batch.py`` (e.g. ``git show <commit>:lmcache_kv_fast/batch.py > /tmp/b.py``), paired;
+* ``rewrite:NAME`` (with ``--variant NAME:key=value,...``): ``rewrite`` with other keyword
+  arguments (JSON values), e.g. ``--variant et2:edit_threads=2``.
 
 Before every path the L1 is cleared and the N sequences are seeded again (not timed). In
 the warm-up rep every path's N stored edits are read back and compared bit for bit with
@@ -46,7 +51,8 @@ from typing import Any
 
 import torch
 
-ALL_PATHS = ("rewrite", "loop", "upstream", "rewrite-alloc", "fn", "rewrite-before")
+ALL_PATHS = ("rewrite", "loop", "loop-t1", "upstream", "rewrite-alloc", "fn", "rewrite-before")
+DEFAULT_PATHS = ("rewrite", "loop", "loop-t1", "upstream", "rewrite-alloc")
 MARK_TOKENS = 4  # tokens 0..3 of every layer carry the sequence's mark (all kept)
 
 
@@ -218,6 +224,18 @@ def marked(base: torch.Tensor, saved: torch.Tensor, i: int) -> torch.Tensor:
     return base
 
 
+def parse_kw(items: Sequence[str]) -> dict[str, Any]:
+    """``["a=1", "b=x"]`` -> ``{"a": 1, "b": "x"}`` (JSON values, else strings)."""
+    out: dict[str, Any] = {}
+    for item in items:
+        k, _, v = item.partition("=")
+        try:
+            out[k] = json.loads(v)
+        except json.JSONDecodeError:
+            out[k] = v
+    return out
+
+
 def fmt_range(xs: Sequence[float], spec: str = ".2f") -> str:
     if not xs:
         return "-"
@@ -234,7 +252,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--warmup", type=int, default=1, help="untimed reps (verified)")
     ap.add_argument("--quick", action="store_true", help="8 x 1024 tokens, 8 layers, 2 reps")
     ap.add_argument("--l1-gb", type=float, default=12.0)
-    ap.add_argument("--paths", default=",".join(ALL_PATHS))
+    ap.add_argument("--paths", default=",".join(DEFAULT_PATHS))
+    ap.add_argument("--variant", action="append", default=[],
+                    help="NAME:key=value,... adds path rewrite:NAME (repeatable)")
     ap.add_argument("--rewrite-kw", action="append", default=[],
                     help="extra batch.rewrite keyword, e.g. workers=2 (repeatable; JSON values)")
     ap.add_argument("--json", help="write every record here")
@@ -253,13 +273,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     bad = [p for p in paths if p not in ALL_PATHS]
     if bad:
         ap.error(f"unknown paths {bad}; choose from {ALL_PATHS}")
-    rw_kw: dict[str, Any] = {}
-    for kv in args.rewrite_kw:
-        k, _, v = kv.partition("=")
-        try:
-            rw_kw[k] = json.loads(v)
-        except json.JSONDecodeError:
-            rw_kw[k] = v
+    rw_kw = parse_kw(args.rewrite_kw)
+    variants: dict[str, dict[str, Any]] = {}
+    for v in args.variant:
+        name, _, kws = v.partition(":")
+        variants[f"rewrite:{name}"] = {**rw_kw, **parse_kw(kws.split(",") if kws else [])}
+        paths.append(f"rewrite:{name}")
 
     from lmcache_kv_fast import batch, kvcache
     from lmcache_kv_fast.testing import LMCacheServer, register_vllm_layout
@@ -323,12 +342,23 @@ def main(argv: Sequence[str] | None = None) -> int:
                     with Probe() as pr:
                         if path == "loop":
                             ok, stages = plain_loop(ctx, prompts, drop_every_10th)
+                        elif path == "loop-t1":
+                            nt = torch.get_num_threads()
+                            torch.set_num_threads(1)
+                            try:
+                                ok, stages = plain_loop(ctx, prompts, drop_every_10th)
+                            finally:
+                                torch.set_num_threads(nt)
                         elif path == "fn":
                             stages = {}
                             for p in prompts:
                                 out, _ = drop_every_10th(base, p)
                                 del out
                             ok = len(prompts)
+                        elif path in variants:
+                            rep = batch.rewrite(ctx, prompts, drop_every_10th, progress=False,
+                                                **variants[path])
+                            ok, stages = rep.ok, dict(rep.stage_seconds)
                         elif path == "rewrite-before":
                             rep = before.rewrite(ctx, prompts, drop_every_10th, progress=False)
                             ok, stages = rep.ok, dict(rep.stage_seconds)
@@ -368,7 +398,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 def report(records: dict[str, list[dict[str, Any]]], kv_bytes: int) -> None:
     """Print per-path medians [ranges] and the paired speed-ups."""
-    print(f"\n{'path':14} {'seconds':>20} {'retrieve':>8} {'fn':>8} {'store':>8} "
+    print(f"\n{'path':16} {'seconds':>20} {'retrieve':>8} {'fn':>8} {'store':>8} "
           f"{'minflt':>9} {'cpu s':>6} {'RSS+ MiB':>9} {'xKV':>5}")
     for path, recs in records.items():
         if not recs:
@@ -376,12 +406,14 @@ def report(records: dict[str, list[dict[str, Any]]], kv_bytes: int) -> None:
         st = {k: statistics.median(r["stages"].get(k, 0.0) for r in recs)
               for k in ("retrieve", "fn", "store")}
         med = {k: statistics.median(r[k] for r in recs) for k in ("minflt", "cpu", "rss_growth")}
-        print(f"{path:14} {fmt_range([r['seconds'] for r in recs]):>20} {st['retrieve']:8.2f} "
+        print(f"{path:16} {fmt_range([r['seconds'] for r in recs]):>20} {st['retrieve']:8.2f} "
               f"{st['fn']:8.2f} {st['store']:8.2f} {med['minflt']:9.0f} {med['cpu']:6.1f} "
               f"{med['rss_growth'] / 2**20:9.0f} {med['rss_growth'] / kv_bytes:5.2f}")
-    pairs = [("loop", "rewrite"), ("upstream", "rewrite"), ("loop", "rewrite-alloc"),
-             ("upstream", "rewrite-alloc"), ("upstream", "loop"), ("rewrite-before", "rewrite"),
-             ("loop", "rewrite-before")]
+    pairs = [("loop", "rewrite"), ("loop-t1", "rewrite"), ("upstream", "rewrite"),
+             ("loop", "rewrite-alloc"), ("upstream", "rewrite-alloc"), ("upstream", "loop"),
+             ("rewrite-before", "rewrite"), ("loop", "rewrite-before"),
+             ("loop-t1", "rewrite-before")]
+    pairs += [("rewrite", p) for p in records if p.startswith("rewrite:")]
     print("\npaired speed-ups (time of A / time of B, per rep): median [range]")
     for a, b in pairs:
         ra, rb = records.get(a, []), records.get(b, [])

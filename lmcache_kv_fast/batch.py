@@ -10,8 +10,8 @@ the RPC round trips and copies of some sequences with those of others. At most
 stores on I/O threads, the user's ``fn`` on its own edit thread (the edit of one sequence
 overlaps the store of the previous one and the retrieve of the next), with large op
 outputs of ``fn`` served from the warm result pool (no page faults on fresh memory, which
-otherwise cost more than a cheap edit) and the edit's torch intra-op threads limited so it
-does not fight the copy threads for the cores (:mod:`lmcache_kv_fast.edit_policy`).
+otherwise cost more than a cheap edit) and ``fn`` off the caller's thread, whose torch
+OpenMP team spin-waits against the copy threads (:mod:`lmcache_kv_fast.edit_policy`).
 
 Errors of one item (miss, refused store, ``fn`` raising) are recorded in the
 :class:`BatchReport` with the item's index and reason; the batch goes on. A
@@ -43,12 +43,16 @@ from lmcache_kv_fast.batch_core import (
 from lmcache_kv_fast.batch_core import Progress as _Progress
 from lmcache_kv_fast.batch_pools import BufferPool, OutputPool
 from lmcache_kv_fast.context import LMCacheKVCacheContext
-from lmcache_kv_fast.rewrite_engine import RewriteEngine, accepts_alloc
+from lmcache_kv_fast.rewrite_engine import REWRITE_DEFAULT_MAX_IN_FLIGHT, RewriteEngine, accepts_alloc
 
 logger = logging.getLogger(__name__)
 
 ModifyFn = Callable[[torch.Tensor, Sequence[int]], tuple[torch.Tensor, Sequence[int]]]
 DEFAULT_MAX_IN_FLIGHT = 3
+#: rewrite's default: a sequence being stored, one being edited and one being retrieved
+#: need two alive (a retrieve starts when a store ends); a third cost 1.5x the memory
+#: for 0.96x [0.91-1.15] of the time (6 paired reps, 2 cores).
+REWRITE_MAX_IN_FLIGHT = REWRITE_DEFAULT_MAX_IN_FLIGHT
 
 # names kept for code written against earlier versions of this module
 _ItemResult = ItemResult
@@ -59,8 +63,39 @@ _nbytes = nbytes
 _check_common = check_common
 _account_store = account_store
 
-__all__ = ["DEFAULT_MAX_IN_FLIGHT", "BatchReport", "BufferPool", "ItemError", "ModifyFn",
-           "OutputPool", "retrieve_many", "rewrite", "store_many"]
+__all__ = [
+    "DEFAULT_MAX_IN_FLIGHT",
+    "REWRITE_MAX_IN_FLIGHT",
+    "BatchReport",
+    "BufferPool",
+    "ItemError",
+    "ModifyFn",
+    "OutputPool",
+    "release_buffers",
+    "retrieve_many",
+    "rewrite",
+    "store_many",
+]
+
+
+def release_buffers() -> int:
+    """Unmap the idle warm buffers the native core keeps for reuse; return their bytes.
+
+    Retrieve results and ``rewrite``'s buffers and pooled edit outputs go back to a
+    process-wide pool when their last tensor dies, so the next retrieve or batch finds
+    them faulted in. The pool keeps at most ``LMCACHE_KV_FAST_RESULT_POOL_MB`` (default
+    min(4 GiB, RAM / 8)) of idle buffers; this gives them all back to the OS now (a no-op
+    with the torch backend).
+    """
+    from lmcache_kv_fast.copy.select import backend
+
+    if backend().NAME != "native":
+        return 0
+    from lmcache_kv_fast import _native
+
+    pooled = int(_native.result_pool_stats()["pooled_bytes"])
+    _native.result_pool_trim()
+    return pooled
 
 
 def _run_pipelined(
@@ -229,7 +264,7 @@ def rewrite(
     cache_salt: str = "",
     *,
     workers: int | None = None,
-    max_in_flight: int = DEFAULT_MAX_IN_FLIGHT,
+    max_in_flight: int = REWRITE_MAX_IN_FLIGHT,
     progress: bool = True,
     reuse_buffers: bool = True,
     pool_outputs: bool | None = None,
@@ -270,14 +305,13 @@ def rewrite(
         cache_salt: Salt for reads and writes.
         workers: I/O threads for retrieves and stores (default ``min(max_in_flight, 2)``).
         max_in_flight: Sequences alive at once (memory bound: each holds its retrieved KV
-            and, once edited, the edit's output).
+            and, once edited, the edit's output; default 2).
         progress: Show a progress bar (tqdm if installed, else log lines).
         reuse_buffers: Read into a few reused buffers (from the warm result pool).
         pool_outputs: See above (None: ``LMCACHE_KV_FAST_POOL_OUTPUTS``, else on).
         edit_threads: torch intra-op threads of the edit thread, set on that thread only
-            (None: ``LMCACHE_KV_FAST_EDIT_THREADS``, else half the usable cores, at least
-            1 and at most the caller's ``torch.get_num_threads()``): the copies of the
-            neighbouring sequences use the other cores.
+            (None: ``LMCACHE_KV_FAST_EDIT_THREADS``, else the caller's
+            ``torch.get_num_threads()``, at most the usable cores).
 
     Returns:
         The :class:`BatchReport`.

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import collections
 import threading
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 
@@ -61,14 +61,24 @@ class OutputPool:
     hands out views of byte buffers it keeps warm; every buffer an item took comes back
     once that item's store has finished. At most ``keep`` idle buffers are kept.
 
+    With ``large`` (``rewrite`` passes the native core's ``alloc_result``), outputs of at
+    least ``large_min`` bytes come from there instead: the process-wide pool of faulted,
+    huge-page buffers, which outlives the batch (the next batch starts warm) and takes a
+    buffer back only when the last tensor over it died.
+
     Args:
         keep: Idle buffers kept for reuse (others are freed).
+        large: ``large(shape, dtype)`` for large outputs (None: this pool serves all).
+        large_min: Smallest output served by ``large``.
     """
 
-    def __init__(self, keep: int) -> None:
+    def __init__(self, keep: int, large: Callable[[tuple[int, ...], torch.dtype], torch.Tensor]
+                 | None = None, large_min: int = 2 << 20) -> None:
         self._free: list[torch.Tensor] = []
         self._lock = threading.Lock()
         self._keep = max(1, keep)
+        self._large = large
+        self._large_min = large_min
         self.allocated = 0  # buffers created (pool misses)
 
     def alloc(self, shape: Sequence[int], dtype: torch.dtype, taken: list[torch.Tensor]
@@ -83,6 +93,8 @@ class OutputPool:
         for d in shape:
             numel *= d
         nbytes = numel * torch.empty((), dtype=dtype).element_size()
+        if self._large is not None and nbytes >= self._large_min:
+            return self._large(shape, dtype)
         buf = None
         with self._lock:
             fits = [b for b in self._free if b.numel() >= nbytes]

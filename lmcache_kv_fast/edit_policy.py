@@ -20,10 +20,14 @@ recycled under a live tensor. Values, shapes, strides and dtypes are those of th
 call (the same kernels run); views, in-place and random operators, data-dependent shapes
 and anything the mode does not recognise run unchanged.
 
-:func:`edit_thread_setup` sets the OpenMP thread count of the thread that runs the edits
-(the ICV is per thread: no other thread of the process is affected). On a small machine
-the edit's intra-op team and the copy threads of the stages around it share the cores,
-and libgomp's barrier spin-waits then burn the cores the other threads need.
+:func:`set_thread_intraop_threads` sets the OpenMP thread count of the thread that runs
+the edits (the ICV is per thread: no other thread of the process is affected); by
+default the caller's count, at most the usable cores. The edits run on a thread of their
+own, not the caller's: torch's OpenMP team of the *main* thread spin-waits at every
+barrier as if it had the cores to itself, so beside the copy threads, the server or any
+other load it burns the cores its own other thread needs (measured 5-50x slower on the
+loaded 2-core box, ``benches/bench_edit_alloc.py --busy 1``); a team started from another
+thread is throttled by libgomp and does not.
 
 Turning it off: ``rewrite(..., pool_outputs=False, edit_threads=n)`` or the environment
 (``LMCACHE_KV_FAST_POOL_OUTPUTS=0``, ``LMCACHE_KV_FAST_EDIT_THREADS=n``).
@@ -297,8 +301,14 @@ def _env_int(name: str) -> int | None:
 
 
 def default_edit_threads(cores: int, caller_threads: int) -> int:
-    """Intra-op threads for the edit: half the cores (the copies get the rest), >= 1."""
-    return max(1, min(caller_threads, cores // 2))
+    """Intra-op threads for the edit: the caller's torch count, at most the usable cores.
+
+    Measured on 2 cores (``benches/bench_batch_plain.py``, variants): the edit on 2
+    threads beside the copies of its neighbours was 1.17-1.24x faster (medians of 4 and 6
+    paired reps) than on 1; the edit thread's team does not spin-wait like the main
+    thread's (libgomp throttles its spinning once it manages more threads than cores).
+    """
+    return max(1, min(caller_threads, cores))
 
 
 @dataclass(frozen=True)
@@ -309,6 +319,7 @@ class EditPolicy:
         pool_outputs: Serve large op outputs from the warm result pool
             (:class:`PooledOutputs`).
         threads: Intra-op threads of the edit thread (None: leave torch's default).
+
     """
 
     pool_outputs: bool = True

@@ -6,10 +6,10 @@ a distributed rewrite (each worker runs it over its share):
 * I/O threads (``io_workers``, each with its own DEALER socket through the context) run
   the retrieves and the stores, stores first, so a finished edit is never queued behind
   read-ahead;
-* one edit thread runs the user's ``fn`` under an :class:`~lmcache_kv_fast.edit_policy.EditPolicy`:
-  large op outputs come from the warm result pool (no page faults on fresh memory) and
-  its torch intra-op threads are limited (only that thread), so the edit, the copies and
-  the server share the cores without OpenMP spin-waits;
+* one edit thread runs the user's ``fn`` under an
+  :class:`~lmcache_kv_fast.edit_policy.EditPolicy`: large op outputs come from the warm
+  result pool (no page faults on fresh memory), and its torch OpenMP team, unlike the
+  main thread's, does not spin-wait against the copy threads and the server;
 * at most ``max_in_flight`` items are alive (retrieved and not yet stored), whatever the
   length of the input, and results come back in input order (``on_result``).
 
@@ -44,6 +44,7 @@ from lmcache_kv_fast.batch_core import (
     item_failed,
     nbytes,
 )
+from lmcache_kv_fast.batch_pools import OutputPool
 from lmcache_kv_fast.context import LMCacheKVCacheContext, normalize_tokens, usable_cores
 from lmcache_kv_fast.copy.select import backend
 from lmcache_kv_fast.edit_policy import EditPolicy, EditRunner
@@ -54,6 +55,7 @@ logger = logging.getLogger("lmcache_kv_fast.batch")
 #: ``fetch(ctx, item)`` -> ``(kv | None, tokens of kv)``: what to edit for an item.
 FetchFn = Callable[[LMCacheKVCacheContext, Any], "tuple[torch.Tensor | None, Sequence[int]]"]
 DEFAULT_IO_WORKERS = 2
+REWRITE_DEFAULT_MAX_IN_FLIGHT = 2
 
 
 def accepts_alloc(fn: Callable[..., Any]) -> bool:
@@ -136,11 +138,11 @@ class RewriteEngine:
             gets pooled output buffers (see ``batch.rewrite``).
         cache_salt: Salt for reads and writes.
         io_workers: Threads for retrieves and stores (default 2, at most ``max_in_flight``).
-        max_in_flight: Items alive at once (memory bound).
+        max_in_flight: Items alive at once (memory bound; default 2).
         pool_outputs: Large op outputs of ``fn`` from the warm pool (None: environment,
             then on); see :mod:`lmcache_kv_fast.edit_policy`.
         edit_threads: torch intra-op threads of the edit thread (None: environment, then
-            half the usable cores, at least 1).
+            the caller's count, at most the usable cores).
         reuse_buffers: Retrieve into a few reused buffers (else the context allocates).
         fetch: ``fetch(ctx, item) -> (kv | None, tokens)`` (e.g. wait until an engine's
             store is visible); default: the item is a token sequence, retrieved into a
@@ -153,7 +155,8 @@ class RewriteEngine:
     """
 
     def __init__(self, ctx: LMCacheKVCacheContext, fn: Callable[..., Any], cache_salt: str = "",
-                 *, io_workers: int | None = None, max_in_flight: int = 3,
+                 *, io_workers: int | None = None,
+                 max_in_flight: int = REWRITE_DEFAULT_MAX_IN_FLIGHT,
                  pool_outputs: bool | None = None, edit_threads: int | None = None,
                  reuse_buffers: bool = True, fetch: FetchFn | None = None,
                  progress: bool = False, desc: str = "rewrite") -> None:
@@ -175,9 +178,8 @@ class RewriteEngine:
         self.progress, self.desc = progress, desc
         self._out_pool: Any = None
         if accepts_alloc(fn):
-            from lmcache_kv_fast.batch_pools import OutputPool
-
-            self._out_pool = OutputPool(max_in_flight + 1)
+            self._out_pool = OutputPool(max_in_flight + 1,
+                                        self._alloc_result if native else None)
         self._free: collections.deque[torch.Tensor] = collections.deque()
         self._free_lock = threading.Lock()
         self._stop = threading.Event()
