@@ -10,8 +10,7 @@ the RPC round trips and copies of some sequences with those of others. At most
 stores on I/O threads, the user's ``fn`` on its own edit thread (the edit of one sequence
 overlaps the store of the previous one and the retrieve of the next), with large op
 outputs of ``fn`` served from the warm result pool (no page faults on fresh memory, which
-otherwise cost more than a cheap edit) and ``fn`` off the caller's thread, whose torch
-OpenMP team spin-waits against the copy threads (:mod:`lmcache_kv_fast.edit_policy`).
+otherwise cost more than a cheap edit; :mod:`lmcache_kv_fast.edit_policy`).
 
 Errors of one item (miss, refused store, ``fn`` raising) are recorded in the
 :class:`BatchReport` with the item's index and reason; the batch goes on. A

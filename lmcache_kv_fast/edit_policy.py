@@ -6,9 +6,9 @@ afresh and unmaps them on free: each call page-faults its whole output (59,000 f
 for 230 MiB here, 2-4x the copy itself). glibc cannot be told to keep them reliably
 (measured on 2.36, ``benches/bench_edit_alloc.py``): ``M_MMAP_THRESHOLD`` is accepted up
 to 1 GiB but only the main arena honours it (a thread's arena still maps anything above
-its 64 MiB heap), and in the main arena torch's 64-byte-aligned ``posix_memalign`` leaves
-the freed block a few bytes too small for the next request, so the heap grows by a whole
-output per call instead of reusing it.
+its 64 MiB heap), and in the main arena torch's 64-byte-aligned ``posix_memalign`` often
+finds the freed block a few bytes too small for the next identical request, so the heap
+keeps growing (0.46-0.92 GiB over 6 edits of 230 MiB) instead of reusing it.
 
 :class:`PooledOutputs` instead serves such outputs from the native core's pool of
 already-faulted result buffers (the same pool ``retrieve`` results come from): while the
@@ -22,12 +22,8 @@ and anything the mode does not recognise run unchanged.
 
 :func:`set_thread_intraop_threads` sets the OpenMP thread count of the thread that runs
 the edits (the ICV is per thread: no other thread of the process is affected); by
-default the caller's count, at most the usable cores. The edits run on a thread of their
-own, not the caller's: torch's OpenMP team of the *main* thread spin-waits at every
-barrier as if it had the cores to itself, so beside the copy threads, the server or any
-other load it burns the cores its own other thread needs (measured 5-50x slower on the
-loaded 2-core box, ``benches/bench_edit_alloc.py --busy 1``); a team started from another
-thread is throttled by libgomp and does not.
+default the caller's count, at most the usable cores (in a pipelined batch on 2 cores, 2
+threads were 1.17-1.24x faster than 1).
 
 Turning it off: ``rewrite(..., pool_outputs=False, edit_threads=n)`` or the environment
 (``LMCACHE_KV_FAST_POOL_OUTPUTS=0``, ``LMCACHE_KV_FAST_EDIT_THREADS=n``).
@@ -305,8 +301,7 @@ def default_edit_threads(cores: int, caller_threads: int) -> int:
 
     Measured on 2 cores (``benches/bench_batch_plain.py``, variants): the edit on 2
     threads beside the copies of its neighbours was 1.17-1.24x faster (medians of 4 and 6
-    paired reps) than on 1; the edit thread's team does not spin-wait like the main
-    thread's (libgomp throttles its spinning once it manages more threads than cores).
+    paired reps) than on 1.
     """
     return max(1, min(caller_threads, cores))
 

@@ -8,8 +8,8 @@ a distributed rewrite (each worker runs it over its share):
   read-ahead;
 * one edit thread runs the user's ``fn`` under an
   :class:`~lmcache_kv_fast.edit_policy.EditPolicy`: large op outputs come from the warm
-  result pool (no page faults on fresh memory), and its torch OpenMP team, unlike the
-  main thread's, does not spin-wait against the copy threads and the server;
+  result pool (no page faults on fresh memory), with the caller's grad mode and its own
+  torch intra-op thread count;
 * at most ``max_in_flight`` items are alive (retrieved and not yet stored), whatever the
   length of the input, and results come back in input order (``on_result``).
 
