@@ -14,8 +14,10 @@ Not part of CI. Starts a real SHM server, then rep by rep alternates (rotating t
   tensor, main thread), for reference;
 * ``rewrite-before`` (with ``--before-batch FILE``): ``rewrite`` of another version of
   ``batch.py`` (e.g. ``git show <commit>:lmcache_kv_fast/batch.py > /tmp/b.py``), paired;
+  ``rewrite-before-alloc`` the same with the ``alloc`` edit (add it to ``--paths``);
 * ``rewrite:NAME`` (with ``--variant NAME:key=value,...``): ``rewrite`` with other keyword
-  arguments (JSON values), e.g. ``--variant et2:edit_threads=2``.
+  arguments (JSON values), e.g. ``--variant et2:edit_threads=2`` (``edit=alloc``: the
+  ``alloc`` edit).
 
 Before every path the L1 is cleared and the N sequences are seeded again (not timed). In
 the warm-up rep every path's N stored edits are read back and compared bit for bit with
@@ -51,7 +53,8 @@ from typing import Any
 
 import torch
 
-ALL_PATHS = ("rewrite", "loop", "loop-t1", "upstream", "rewrite-alloc", "fn", "rewrite-before")
+ALL_PATHS = ("rewrite", "loop", "loop-t1", "upstream", "rewrite-alloc", "fn", "rewrite-before",
+             "rewrite-before-alloc")
 DEFAULT_PATHS = ("rewrite", "loop", "loop-t1", "upstream", "rewrite-alloc")
 MARK_TOKENS = 4  # tokens 0..3 of every layer carry the sequence's mark (all kept)
 
@@ -268,8 +271,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     paths = [p for p in args.paths.split(",") if p]
     if args.before_batch and "rewrite-before" not in paths:
         paths.append("rewrite-before")
-    if not args.before_batch and "rewrite-before" in paths:
-        paths.remove("rewrite-before")
+    if not args.before_batch:
+        paths = [p for p in paths if not p.startswith("rewrite-before")]
     bad = [p for p in paths if p not in ALL_PATHS]
     if bad:
         ap.error(f"unknown paths {bad}; choose from {ALL_PATHS}")
@@ -356,11 +359,15 @@ def main(argv: Sequence[str] | None = None) -> int:
                                 del out
                             ok = len(prompts)
                         elif path in variants:
-                            rep = batch.rewrite(ctx, prompts, drop_every_10th, progress=False,
-                                                **variants[path])
+                            kw = dict(variants[path])
+                            fn = drop_every_10th_alloc if kw.pop("edit", "") == "alloc" else \
+                                drop_every_10th
+                            rep = batch.rewrite(ctx, prompts, fn, progress=False, **kw)
                             ok, stages = rep.ok, dict(rep.stage_seconds)
-                        elif path == "rewrite-before":
-                            rep = before.rewrite(ctx, prompts, drop_every_10th, progress=False)
+                        elif path.startswith("rewrite-before"):
+                            fn = drop_every_10th_alloc if path.endswith("alloc") else \
+                                drop_every_10th
+                            rep = before.rewrite(ctx, prompts, fn, progress=False)
                             ok, stages = rep.ok, dict(rep.stage_seconds)
                         else:
                             fn = drop_every_10th_alloc if path == "rewrite-alloc" else \
@@ -412,7 +419,7 @@ def report(records: dict[str, list[dict[str, Any]]], kv_bytes: int) -> None:
     pairs = [("loop", "rewrite"), ("loop-t1", "rewrite"), ("upstream", "rewrite"),
              ("loop", "rewrite-alloc"), ("upstream", "rewrite-alloc"), ("upstream", "loop"),
              ("rewrite-before", "rewrite"), ("loop", "rewrite-before"),
-             ("loop-t1", "rewrite-before")]
+             ("loop-t1", "rewrite-before"), ("rewrite-before-alloc", "rewrite-alloc")]
     pairs += [("rewrite", p) for p in records if p.startswith("rewrite:")]
     print("\npaired speed-ups (time of A / time of B, per rep): median [range]")
     for a, b in pairs:
