@@ -130,7 +130,7 @@ def cmd_server(args: argparse.Namespace) -> int:
 
 def cmd_bench(argv: list[str]) -> int:
     """Delegate to the benchmark harness."""
-    from lmcache_kv_fast.testing.benchmark import main as bench_main
+    from lmcache_kv_fast.testing.bench import main as bench_main
 
     return bench_main(argv)
 
