@@ -18,9 +18,6 @@ import errno
 import itertools
 import logging
 import math
-import operator
-import os
-import re
 import secrets
 import sys
 import threading
@@ -28,14 +25,13 @@ import time
 import warnings
 from collections import OrderedDict
 from collections.abc import Hashable, Iterator, Sequence
-from dataclasses import dataclass
 from types import ModuleType
-from typing import Annotated, Any
+from typing import Any
 
-import msgspec
 import torch
 
 from lmcache_kv_fast.copy import ChunkGeometry, Region, backend
+from lmcache_kv_fast.copy.select import usable_cores
 from lmcache_kv_fast.dataplane.pickle_fast import ChunkFrameBuilder, locate_chunks
 from lmcache_kv_fast.dataplane.pickle_plane import safe_loads_chunks
 from lmcache_kv_fast.dataplane.shm import ShmPlane
@@ -51,11 +47,7 @@ from lmcache_kv_fast.layout import KVLayout, decode_status_entry, find_model_ent
 from lmcache_kv_fast.protocol import codec
 from lmcache_kv_fast.protocol.constants import (
     DEFAULT_ALIGN_BYTES,
-    FORBIDDEN_MODEL_CHARS,
-    FORBIDDEN_SALT_CHARS,
     INSTANCE_ID_BITS,
-    MAX_CACHE_SALT_LEN,
-    MAX_TOKEN_ID,
     SDK_NUM_KV_READERS,
 )
 from lmcache_kv_fast.protocol.detect import detect_generation
@@ -68,11 +60,24 @@ from lmcache_kv_fast.protocol.types import (
     RegisterEngineDrivenContextResponse,
     Slot,
 )
+from lmcache_kv_fast.results import OpTiming, StoreResult
 from lmcache_kv_fast.transport.http import HttpInfoClient
 from lmcache_kv_fast.transport.releases import DeferredReleases
 from lmcache_kv_fast.transport.zmq_client import Channel, PendingCall, ZmqClient
+from lmcache_kv_fast.validation import (
+    check_connect_args,
+    check_kv,
+    check_out,
+    check_request_configs,
+    check_salt,
+    normalize_tokens,
+)
 
 logger = logging.getLogger(__name__)
+
+#: Re-exported: other modules import these from here.
+__all__ = ["LMCacheKVCacheContext", "OpTiming", "StoreResult", "check_request_configs",
+           "check_salt", "normalize_tokens", "usable_cores"]
 
 #: connect() probes give up after this long for an unreachable peer.
 CONNECT_PROBE_TIMEOUT_S = 5.0
@@ -91,180 +96,6 @@ SLOT_HINTS_MAX = 256
 #: Seconds one ``wait_prefetch_status`` may block the server's normal pool.
 PREFETCH_WAIT_SLICE_S = 0.1
 
-_ZMQ_URL = re.compile(r"^tcp://[^\s/:]+:\d{1,5}$")
-_HTTP_URL = re.compile(r"^https?://[^\s/]+(:\d{1,5})?/?$")
-
-
-@dataclass(frozen=True)
-class StoreResult:
-    """What a store did, chunk by chunk (``ctx.store_ex``).
-
-    Attributes:
-        tokens_stored: Whole-chunk tokens of the sequence that are in the cache after the
-            call (its cached prefix, capped at ``chunks_total * chunk_size``).
-        chunks_total: Whole chunks in the request (a trailing partial chunk is dropped).
-        chunks_written: Chunks written by this call.
-        chunks_already_cached: Chunks that were already in the cache (not rewritten).
-        chunks_refused: Chunks the server could not take (L1 full) or that are not
-            visible after the call.
-    """
-
-    tokens_stored: int
-    chunks_total: int
-    chunks_written: int
-    chunks_already_cached: int
-    chunks_refused: int
-
-    @property
-    def ok(self) -> bool:
-        """True when every whole chunk is in the cache after the call."""
-        return self.chunks_total > 0 and self.chunks_refused == 0
-
-
-@dataclass(frozen=True)
-class OpTiming:
-    """Where the time of one ``store`` / ``retrieve`` / ``lookup`` call went.
-
-    Read it with :attr:`LMCacheKVCacheContext.last_timing` right after the call (per
-    thread). Costs a few ``perf_counter`` reads per call.
-
-    Attributes:
-        op: ``"store"``, ``"retrieve"`` or ``"lookup"``.
-        total_s: Wall time of the call.
-        wait_s: Time blocked on server replies: network round trips plus the server's
-            processing of each request (its per-chunk bookkeeping dominates on a local
-            server).
-        copy_s: Time in the data plane's copies (scatter into / gather out of the SHM pool,
-            or into / out of pickle-plane frames).
-        alloc_s: Time allocating the result of a retrieve without ``out`` (fresh memory is
-            mapped and faulted in here; a reused pooled buffer costs microseconds).
-        rpcs: Replies waited for (releases sent without waiting, a retrieve's
-            ``commit_retrieve`` and ``end_session``, not counted).
-        chunks: Whole chunks the call moved (0 for a lookup or a miss).
-        hinted: Chunks of a retrieve read (on every shard) from where they lay last time
-            before the server's ``prepare_retrieve`` reply came, and kept because the reply
-            named the same slots (see ``read_hints`` of :func:`~lmcache_kv_fast.connect`).
-        rehinted: Chunks read that way and read again (on some shard) because the reply
-            named other slots (both copies count in ``copy_s``).
-    """
-
-    op: str
-    total_s: float
-    wait_s: float
-    copy_s: float
-    alloc_s: float
-    rpcs: int
-    chunks: int
-    hinted: int = 0
-    rehinted: int = 0
-
-    @property
-    def client_s(self) -> float:
-        """The rest: argument checks, encoding, decoding, layout of frames, Python."""
-        return max(0.0, self.total_s - self.wait_s - self.copy_s - self.alloc_s)
-
-    def as_dict(self) -> dict[str, Any]:
-        """Plain dict (for JSON), with ``client_s``."""
-        return {"op": self.op, "total_s": self.total_s, "wait_s": self.wait_s,
-                "copy_s": self.copy_s, "alloc_s": self.alloc_s, "client_s": self.client_s,
-                "rpcs": self.rpcs, "chunks": self.chunks, "hinted": self.hinted,
-                "rehinted": self.rehinted}
-
-
-def _is_tensor_like(x: Any) -> bool:
-    return hasattr(x, "tolist") and hasattr(x, "dtype") and hasattr(x, "ndim")
-
-
-#: A token list as the server accepts it (exact ints, no bools, in [0, 2**32)).
-_TOKEN_LIST = list[Annotated[int, msgspec.Meta(ge=0, le=MAX_TOKEN_ID)]]
-
-
-def normalize_tokens(tokens: Any, what: str = "tokens") -> list[int]:
-    """Return ``tokens`` as a list of ints in ``[0, 2**32)``.
-
-    Accepts a sequence of ints (Python or numpy integer scalars), a 1-D integer numpy
-    array or torch tensor, or a ``range``.
-
-    Raises:
-        InvalidTypeError: Not a sequence of integers (bools, floats and strings refused).
-        InvalidArgumentError: A token outside ``[0, 2**32)``.
-    """
-    if type(tokens) is list:  # the common case, checked in C (~10x faster than a loop)
-        try:
-            return msgspec.convert(tokens, _TOKEN_LIST)
-        except msgspec.ValidationError:
-            pass  # numpy integers, or an error: the checks below say which
-    if isinstance(tokens, (str, bytes, bytearray)) or tokens is None:
-        raise InvalidTypeError(f"{what} must be a sequence of ints, got {type(tokens).__name__}")
-    if _is_tensor_like(tokens):
-        if tokens.ndim != 1:
-            raise InvalidArgumentError(f"{what} must be 1-D, got {tokens.ndim}-D")
-        kind = str(tokens.dtype)
-        if "int" not in kind or "bool" in kind:
-            raise InvalidTypeError(f"{what} must have an integer dtype, got {kind}")
-        out = tokens.tolist()
-    elif isinstance(tokens, list) and all(type(t) is int for t in tokens):
-        out = tokens
-    else:
-        try:
-            seq = list(tokens)
-        except TypeError:
-            raise InvalidTypeError(
-                f"{what} must be a sequence of ints, got {type(tokens).__name__}"
-            ) from None
-        out = []
-        for t in seq:
-            if isinstance(t, bool) or not hasattr(t, "__index__"):
-                raise InvalidTypeError(
-                    f"{what} must contain only ints, got {type(t).__name__} {t!r:.40}"
-                )
-            out.append(operator.index(t))
-    if out and (min(out) < 0 or max(out) > MAX_TOKEN_ID):
-        bad = next(t for t in out if t < 0 or t > MAX_TOKEN_ID)
-        raise InvalidArgumentError(f"{what} must be in [0, 2**32), got {bad}")
-    return out
-
-
-def check_salt(cache_salt: Any) -> str:
-    """Validate ``cache_salt`` like the server does (doc §4.1), before anything is sent.
-
-    Raises:
-        InvalidTypeError: Not a str.
-        InvalidArgumentError: Longer than 128 characters or containing ``@ / \\`` or NUL.
-    """
-    if not isinstance(cache_salt, str):
-        raise InvalidTypeError(f"cache_salt must be a str, got {type(cache_salt).__name__}")
-    if len(cache_salt) > MAX_CACHE_SALT_LEN:
-        raise InvalidArgumentError(
-            f"cache_salt must be at most {MAX_CACHE_SALT_LEN} characters, got {len(cache_salt)}"
-        )
-    bad = FORBIDDEN_SALT_CHARS.intersection(cache_salt)
-    if bad:
-        raise InvalidArgumentError(
-            f"cache_salt must not contain {sorted(bad)!r} (forbidden: @ / \\ NUL)"
-        )
-    return cache_salt
-
-
-def check_request_configs(request_configs: Any) -> dict[str, Any] | None:
-    """Validate per-request ``request_configs`` (passed through in every key, doc §4.1).
-
-    Raises:
-        InvalidTypeError: Not None or a dict with str keys of msgpack-encodable values.
-    """
-    if request_configs is None:
-        return None
-    if not isinstance(request_configs, dict) or not all(
-            isinstance(k, str) for k in request_configs):
-        raise InvalidTypeError(
-            "request_configs must be None or a dict with str keys, got "
-            f"{type(request_configs).__name__}"
-        )
-    try:
-        codec.encode(request_configs)
-    except (TypeError, ValueError, OverflowError) as err:
-        raise InvalidTypeError(f"request_configs cannot be encoded: {err}") from err
-    return request_configs
 
 
 class LMCacheKVCacheContext:
@@ -336,7 +167,7 @@ class LMCacheKVCacheContext:
         self._read_hints = bool(read_hints)
         self._slot_hints: OrderedDict[tuple[Any, ...], list[Slot]] = OrderedDict()
         self._slot_hints_mutex = threading.Lock()
-        _check_connect_args(url, http_url, model_name, timeout, world_size, copy_threads)
+        check_connect_args(url, http_url, model_name, timeout, world_size, copy_threads)
         self.url = url
         self.http_url = http_url.rstrip("/")
         self.model_name = model_name
@@ -649,75 +480,6 @@ class LMCacheKVCacheContext:
             num_kv_readers=SDK_NUM_KV_READERS,
         )
 
-    def _check_kv(self, kv: Any) -> torch.Tensor:
-        """Validate a KV tensor to store; return a contiguous CPU ``[P, L, T, D]`` view."""
-        if not isinstance(kv, torch.Tensor):
-            raise InvalidTypeError(f"kv must be a torch.Tensor, got {type(kv).__name__}")
-        if kv.layout != torch.strided:
-            raise InvalidArgumentError(f"kv must be a dense (strided) tensor, got {kv.layout}")
-        lay = self.layout
-        if kv.dtype != self._dtype:
-            raise InvalidTypeError(
-                f"kv has dtype {kv.dtype}, expected {self._dtype} (the model's KV dtype); "
-                "convert it with kv.to(ctx.dtype)"
-            )
-        shape = tuple(kv.shape)
-        if lay.planes == 2:
-            ok = len(shape) == 4 and shape[0] == 2 and shape[1] == lay.num_layers and \
-                shape[3] == lay.hidden_size
-            want = f"[2, {lay.num_layers}, T, {lay.hidden_size}]"
-        else:
-            ok = (len(shape) == 3 and shape[0] == lay.num_layers and shape[2] == lay.hidden_size) \
-                or (len(shape) == 4 and shape[0] == 1 and shape[1] == lay.num_layers
-                    and shape[3] == lay.hidden_size)
-            want = f"[{lay.num_layers}, T, {lay.hidden_size}] or [1, {lay.num_layers}, T, " \
-                   f"{lay.hidden_size}]"
-        if not ok:
-            raise InvalidArgumentError(f"kv has shape {list(shape)}, expected {want}")
-        if kv.requires_grad:
-            kv = kv.detach()
-        if kv.device.type != "cpu":
-            try:
-                kv = kv.cpu()
-            except RuntimeError as err:  # e.g. the meta device: no data
-                raise InvalidArgumentError(
-                    f"kv is on device {kv.device} and cannot be copied to the CPU: {err}"
-                ) from err
-        if not kv.is_contiguous():
-            kv = kv.contiguous()
-        return kv if kv.dim() == 4 else kv.unsqueeze(0)
-
-    def _check_out(self, out: Any, tokens: int) -> torch.Tensor:
-        if not isinstance(out, torch.Tensor):
-            raise InvalidTypeError(f"out must be a torch.Tensor, got {type(out).__name__}")
-        if out.layout != torch.strided:
-            raise InvalidArgumentError(f"out must be a dense (strided) tensor, got {out.layout}")
-        if out.requires_grad:
-            raise InvalidArgumentError("out must not require grad (it is written in place)")
-        lay = self.layout
-        if out.dtype != self._dtype:
-            raise InvalidTypeError(f"out has dtype {out.dtype}, expected {self._dtype}")
-        if out.device.type != "cpu":
-            raise InvalidArgumentError(f"out must be a CPU tensor, got device {out.device}")
-        if not out.is_contiguous():
-            raise InvalidArgumentError("out must be contiguous")
-        shape = tuple(out.shape)
-        if lay.planes == 2:
-            ok = len(shape) == 4 and shape[0] == 2 and shape[1] == lay.num_layers and \
-                shape[3] == lay.hidden_size
-            want = f"[2, {lay.num_layers}, >={tokens}, {lay.hidden_size}]"
-        else:
-            ok = (len(shape) == 3 and shape[0] == lay.num_layers and shape[2] == lay.hidden_size) \
-                or (len(shape) == 4 and shape[0] == 1 and shape[1] == lay.num_layers
-                    and shape[3] == lay.hidden_size)
-            want = f"[{lay.num_layers}, >={tokens}, {lay.hidden_size}]"
-        if not ok or shape[-2] < tokens:
-            raise InvalidArgumentError(
-                f"out has shape {list(shape)}, expected {want} (room for every requested "
-                "whole-chunk token)"
-            )
-        return out
-
     def _copy(self, fn: Any, t: torch.Tensor, chunk_ids: Sequence[int],
               regions: Sequence[Region], col_offset: int) -> None:
         """Run a backend scatter / gather, adding its time to this call's OpTiming."""
@@ -854,7 +616,7 @@ class LMCacheKVCacheContext:
         salt = check_salt(cache_salt)
         n_tok = len(toks) // self._chunk_size * self._chunk_size
         if out is not None:
-            out = self._check_out(out, n_tok)
+            out = check_out(out, n_tok, self.layout, self._dtype)
         if n_tok == 0:
             return None
         toks = toks[:n_tok]
@@ -1078,7 +840,7 @@ class LMCacheKVCacheContext:
             A :class:`StoreResult`.
         """
         t0 = time.perf_counter()
-        src = self._check_kv(kv)
+        src = check_kv(kv, self.layout, self._dtype)
         toks = normalize_tokens(tokens)
         salt = check_salt(cache_salt)
         t = src.shape[2]
@@ -1455,37 +1217,3 @@ def _align_from_config(cfg: dict[str, Any]) -> int:
     if type(a) is not int or a <= 0 or a & (a - 1):
         raise ProtocolError(f"/config align_bytes: expected a power of two, got {a!r:.40}")
     return a
-
-
-def _check_connect_args(url: Any, http_url: Any, model_name: Any, timeout: Any,
-                        world_size: Any, copy_threads: Any) -> None:
-    if not isinstance(url, str) or not _ZMQ_URL.match(url) or \
-            not 0 < int(url.rsplit(":", 1)[1]) < 65536:
-        raise InvalidArgumentError(
-            f"url must look like 'tcp://host:port' (port 1..65535), got {url!r:.80}"
-        )
-    if not isinstance(http_url, str) or not _HTTP_URL.match(http_url) or (
-        (m := re.search(r":(\d+)/?$", http_url)) is not None and not 0 < int(m[1]) < 65536
-    ):
-        raise InvalidArgumentError(
-            f"http_url must look like 'http://host:port' (port 1..65535), got {http_url!r:.80}"
-        )
-    if not isinstance(model_name, str) or not model_name:
-        raise InvalidArgumentError(f"model_name must be a non-empty str, got {model_name!r:.80}")
-    if FORBIDDEN_MODEL_CHARS.intersection(model_name):
-        raise InvalidArgumentError(f"model_name must not contain '@', got {model_name!r:.80}")
-    if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or \
-            not math.isfinite(timeout) or timeout <= 0:
-        raise InvalidArgumentError(f"timeout must be a positive number of seconds, got {timeout!r}")
-    if world_size is not None and (type(world_size) is not int or world_size < 1):
-        raise InvalidArgumentError(f"world_size must be a positive int, got {world_size!r}")
-    if copy_threads is not None and (type(copy_threads) is not int or copy_threads < 1):
-        raise InvalidArgumentError(f"copy_threads must be a positive int, got {copy_threads!r}")
-
-
-def usable_cores() -> int:
-    """Cores this process may run on."""
-    try:
-        return len(os.sched_getaffinity(0))
-    except AttributeError:  # pragma: no cover - non-Linux
-        return os.cpu_count() or 1
