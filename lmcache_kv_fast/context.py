@@ -32,7 +32,7 @@ import torch
 
 from lmcache_kv_fast.client.handshake import CONNECT_PROBE_TIMEOUT_S, handshake
 from lmcache_kv_fast.client.liveness import RELEASE_COLLECT_S, RELEASE_IDLE_CHECK_S
-from lmcache_kv_fast.client.lookup import PREFETCH_WAIT_SLICE_S, lookup
+from lmcache_kv_fast.client.lookup import PREFETCH_WAIT_SLICE_S, cached_tokens
 from lmcache_kv_fast.client.read_hints import SLOT_HINTS_MAX, ReadHints
 from lmcache_kv_fast.client.retrieve import RetrieveFlow
 from lmcache_kv_fast.client.session import (
@@ -245,7 +245,7 @@ class LMCacheKVCacheContext:
         if n_tok == 0:
             return 0
         rc = check_request_configs(request_configs)
-        return lookup(s, toks[:n_tok], salt, rc, t0)
+        return cached_tokens(s, toks[:n_tok], salt, rc, t0)
 
     def retrieve(self, tokens: Sequence[int], cache_salt: str = "", *,
                  out: torch.Tensor | None = None,

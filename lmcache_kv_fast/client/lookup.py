@@ -24,8 +24,8 @@ if TYPE_CHECKING:
 PREFETCH_WAIT_SLICE_S = 0.1
 
 
-def lookup(s: Session, toks: list[int], salt: str, rc: dict[str, Any] | None,
-           t0: float) -> int:
+def cached_tokens(s: Session, toks: list[int], salt: str, rc: dict[str, Any] | None,
+                  t0: float) -> int:
     """The public lookup of validated whole-chunk ``toks``: cached prefix in tokens."""
     with s.op(rc, name="lookup", t0=t0) as ch:
         return lookup_release(s, ch, toks, salt) * s.chunk_size
