@@ -9,8 +9,9 @@ the server's SHM pool when it offers one (else the pickle plane is used).
 from __future__ import annotations
 
 import logging
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
+from lmcache_kv_fast.client.state import SessionState
 from lmcache_kv_fast.dataplane.shm import ShmPlane
 from lmcache_kv_fast.errors import (
     InvalidTypeError,
@@ -29,16 +30,13 @@ from lmcache_kv_fast.protocol.types import (
 from lmcache_kv_fast.transport.http import HttpInfoClient
 from lmcache_kv_fast.transport.zmq_client import ZmqClient
 
-if TYPE_CHECKING:
-    from lmcache_kv_fast.client.session import Session
-
 logger = logging.getLogger(__name__)
 
 #: connect() probes give up after this long for an unreachable peer.
 CONNECT_PROBE_TIMEOUT_S = 5.0
 
 
-def handshake(s: Session, layout: KVLayout | None, world_size: int | None) -> None:
+def handshake(s: SessionState, layout: KVLayout | None, world_size: int | None) -> None:
     """Connect ``s`` to its server and register it; fills the session's server fields.
 
     The ZMQ client, the registration and the SHM mapping are recorded on ``s`` as soon as
@@ -101,7 +99,7 @@ def handshake(s: Session, layout: KVLayout | None, world_size: int | None) -> No
     )
 
 
-def _find_layout(s: Session, status: dict[str, Any], layout: KVLayout | None,
+def _find_layout(s: SessionState, status: dict[str, Any], layout: KVLayout | None,
                  world_size: int | None) -> tuple[KVLayout, int]:
     """The model's layout and world size.
 
@@ -149,7 +147,7 @@ def _find_layout(s: Session, status: dict[str, Any], layout: KVLayout | None,
     return layout, ws
 
 
-def _register(s: Session) -> None:
+def _register(s: SessionState) -> None:
     """Register the engine-driven context; map the SHM pool when the server has one."""
     assert s.zmq is not None
     layout = s.layout

@@ -14,16 +14,13 @@ import math
 import threading
 import time
 import weakref
-from typing import TYPE_CHECKING
 
 from lmcache_kv_fast.client.handshake import CONNECT_PROBE_TIMEOUT_S
+from lmcache_kv_fast.client.state import SessionState
 from lmcache_kv_fast.errors import ContextClosedError, KVCacheSDKError
 from lmcache_kv_fast.protocol.ops import Op
 from lmcache_kv_fast.transport.http import HttpInfoClient
 from lmcache_kv_fast.transport.zmq_client import Channel
-
-if TYPE_CHECKING:
-    from lmcache_kv_fast.client.session import Session
 
 logger = logging.getLogger(__name__)
 
@@ -43,7 +40,7 @@ class Background:
             runs is let go by ``close()``, not by the garbage collector.
     """
 
-    def __init__(self, session: Session, owner: weakref.ref[object]) -> None:
+    def __init__(self, session: SessionState, owner: weakref.ref[object]) -> None:
         self._s = session
         self._owner = owner
         #: Set to stop the thread (for good).

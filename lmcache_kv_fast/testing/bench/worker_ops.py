@@ -17,7 +17,7 @@ import random
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from .edits import EDITS, drop_every_kth
 from .helpers import malloc_trim, same_bytes
@@ -25,8 +25,9 @@ from .names import UPSTREAM, W3_BATCH, W3_SEQ
 from .sizes import GiB
 from .workloads import Driven, Variant, op_reps, workload_of
 
-if TYPE_CHECKING:
-    from .worker import Worker
+#: The worker of :mod:`.worker` (it imports this module, so it is not imported here: the
+#: handlers use its ``spec``, ``s``, ``ctx``, ``src``, ``tokens``, ``clear`` and ``record``).
+Worker = Any
 
 
 class Broken(Exception):

@@ -1,0 +1,48 @@
+"""What the handshake and the background thread need of a session (typing only).
+
+:class:`~lmcache_kv_fast.client.session.Session` has these members; the modules it uses
+(``handshake``, ``liveness``) are typed against this protocol instead of importing the
+session, so the arrows point one way: ``session`` → ``handshake`` / ``liveness`` → ``state``.
+"""
+
+from __future__ import annotations
+
+from types import ModuleType
+from typing import Protocol
+
+from lmcache_kv_fast.copy import ChunkGeometry
+from lmcache_kv_fast.dataplane.shm import ShmPlane
+from lmcache_kv_fast.layout import KVLayout
+from lmcache_kv_fast.protocol.ops import Generation
+from lmcache_kv_fast.transport.releases import DeferredReleases
+from lmcache_kv_fast.transport.zmq_client import ZmqClient
+
+
+class SessionState(Protocol):
+    """The session's fields the handshake fills and the background thread reads."""
+
+    url: str
+    http_url: str
+    model_name: str
+    timeout: float
+    instance_id: int
+    backend: ModuleType
+    zmq: ZmqClient | None
+    shm: ShmPlane | None
+    registered: bool
+    releases: DeferredReleases | None
+    chunk_size: int
+    fifo_normal_pool: bool
+    align: int
+    generation: Generation
+    server_version: str
+    layout: KVLayout
+    world_size: int
+    geom: ChunkGeometry
+    transport: str
+
+    def setup_geometry(self) -> None:
+        """Derive the chunk geometry from ``layout`` and ``world_size``."""
+
+    def teardown(self, drained: bool = True) -> None:
+        """Undo what the handshake set up."""
