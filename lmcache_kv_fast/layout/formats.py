@@ -1,4 +1,4 @@
-"""The 19 ``EngineKVFormat`` values of LMCache 0.5.6 as one table (protocol doc §6.1).
+"""The 19 ``EngineKVFormat`` values of LMCache 0.5.6 as one table (docs/protocol.md §6.1).
 
 An engine KV format names the shape of the paged KV cache that a serving engine
 registered with the server. The enum *name is the shape*: ``_X_`` separates list
