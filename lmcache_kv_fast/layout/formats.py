@@ -169,8 +169,8 @@ class FormatSpec:
 
         For ``..._TWO_HS`` fused formats (10, 11) the printed value is ambiguous:
         0.5.6's ``/status`` prints the *packed* head size (2·HS) in the HS
-        position (factor 1), while the raw per-layer tensor shape (and the
-        protocol doc's table) carries the per-half HS (factor 2). The first factor
+        position (factor 1), while the raw per-layer tensor shape carries the
+        per-half HS (factor 2). The first factor
         is what 0.5.6's ``/status`` produces; a decoder may use
         ``cache_size_per_token`` to choose.
         """
