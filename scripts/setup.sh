@@ -17,19 +17,22 @@ VENV=${VENV:-.venv}
 PY=${PYTHON:-python3}
 export PIP_DISABLE_PIP_VERSION_CHECK=1
 
-# pip install -q, showing only what needs attention. On failure: pip's full output and the
-# exit status. On success: its output minus blank lines (a successful quiet install prints
-# nothing else; whatever it does print is shown).
+# Lines a successful install may print that need no action, as whole-line patterns:
+# blank lines, and pip's note that a configured local index directory (a file:// URL in a
+# pip.conf) has no entry for a package.
+HARMLESS="^[[:space:]]*\$|^WARNING: Location 'file://[^']*' is ignored: it is neither a file nor a directory\.\$"
+
+# pip install -q, showing everything it prints except the HARMLESS lines; when pip fails,
+# the script stops with pip's exit status.
 pipq() {
   local out rc=0
   out=$("$VENV/bin/pip" install -q "$@" 2>&1) || rc=$?
+  if [ -n "$out" ]; then
+    printf '%s\n' "$out" | grep -v -E "$HARMLESS" >&2 || true  # grep: 1 = nothing left
+  fi
   if [ "$rc" -ne 0 ]; then
-    printf '%s\n' "$out" >&2
     echo "[setup] failed (exit $rc): pip install $*" >&2
     exit "$rc"
-  fi
-  if [ -n "$out" ]; then
-    printf '%s\n' "$out" | grep -v -E '^[[:space:]]*$' >&2 || true  # grep: 1 = nothing left
   fi
 }
 
