@@ -4,13 +4,14 @@
 # Idempotent: a second run only rebuilds the project.
 #
 # Quiet when it works, loud when it does not: a failed step stops the script (set -e) and
-# shows pip's whole output. Order matters for the quiet part:
+# shows what pip printed. Order matters for the quiet part:
 #   1. torch, the server's CPU runtime and the dev tools in one resolver run;
 #   2. the torch check, after numpy is installed (torch warns when it finds no numpy);
 #   3. lmcache itself LAST and with --no-deps: its declared dependencies are CUDA-heavy
 #      and the CPU server does not need them. Any pip install that resolves dependencies
 #      after it would report them as missing ("pip's dependency resolver ..."), so nothing
-#      does: the project below is installed with --no-deps too.
+#      does: the project below is installed with --no-deps too, and when the requirements
+#      change in an existing venv, lmcache is uninstalled before step 1.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 VENV=${VENV:-.venv}
@@ -43,6 +44,11 @@ fi
 stamp="$VENV/.lmckvf-deps-$(cat requirements/*.txt scripts/setup.sh | sha1sum | cut -c1-12)"
 if [ ! -f "$stamp" ]; then
   echo "[setup] installing torch==2.13.0 (CPU), lmcache==0.5.6 server runtime, dev tools"
+  # An existing venv (requirements changed): take lmcache out first, so that installing a
+  # package it depends on does not make pip list lmcache's missing CUDA dependencies.
+  if "$VENV/bin/python" -c "import importlib.metadata as m; m.version('lmcache')" 2>/dev/null; then
+    "$VENV/bin/pip" uninstall -q -y lmcache
+  fi
   pipq torch==2.13.0 -r requirements/server-cpu.txt -r requirements/dev.txt
   "$VENV/bin/python" -c "import torch; assert torch.__version__.startswith('2.13.0'), torch.__version__"
   pipq --no-deps lmcache==0.5.6
