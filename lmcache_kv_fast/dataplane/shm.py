@@ -1,4 +1,4 @@
-"""SHM data plane: the server's L1 pool segment, mapped once per context (doc §7.1-7.3)."""
+"""SHM data plane: the server's L1 pool segment, mapped once per context (docs/protocol.md §7.1-7.3)."""
 
 from __future__ import annotations
 
@@ -16,7 +16,7 @@ logger = logging.getLogger(__name__)
 
 def check_slots_match(slots: Sequence[Slot], geom: ChunkGeometry, dtype_str: str,
                       what: str) -> None:
-    """Check slot descriptors describe objects of our geometry (doc §7.2).
+    """Check slot descriptors describe objects of our geometry (docs/protocol.md §7.2).
 
     Accepts ``[P, L, C, W]`` and, for single-plane objects, ``[1, L, C, W]``/``[L, C, W]``.
 

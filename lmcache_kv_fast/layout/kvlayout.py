@@ -3,7 +3,7 @@
 A two-plane layout's contiguous KV tensor is ``[2, L, T, D]`` with
 ``D = num_kv_heads * head_dim`` (plane 0 = K, plane 1 = V); a single-plane (MLA)
 layout's is ``[L, T, D]`` with ``D = head_dim`` (the latent width). With a KV world
-size ``W > 1`` (tensor-parallel shards, protocol doc §8.5) each shard of a two-plane
+size ``W > 1`` (tensor-parallel shards, docs/protocol.md §8.5) each shard of a two-plane
 layout holds ``num_kv_heads / W`` heads, i.e. ``D / W`` columns of every plane; an
 MLA latent is replicated, so every shard holds the full ``D``.
 """
@@ -208,7 +208,7 @@ class KVLayout:
         return (2, self.num_layers, tokens, self.hidden_size)
 
     def chunk_shape(self, chunk_size: int, world_size: int = 1) -> tuple[int, ...]:
-        """Shape of one engine-driven chunk object of one shard (doc §6.3).
+        """Shape of one engine-driven chunk object of one shard (docs/protocol.md §6.3).
 
         Args:
             chunk_size: Tokens per chunk ``C``.

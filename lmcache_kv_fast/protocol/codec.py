@@ -1,4 +1,4 @@
-"""Frame encoding/decoding of the ZMQ control plane (protocol doc §2.2, §2.5)."""
+"""Frame encoding/decoding of the ZMQ control plane (docs/protocol.md §2.2, §2.5)."""
 
 from __future__ import annotations
 

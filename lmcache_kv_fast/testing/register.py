@@ -1,6 +1,6 @@
 """Register a vLLM-like paged KV layout with a real server, the way a vLLM worker does.
 
-This is ``register_kv_cache`` (protocol doc §3.14 and §10.3), without importing ``lmcache``.
+This is ``register_kv_cache`` (docs/protocol.md §3.14 and §10.3), without importing ``lmcache``.
 
 One POSIX segment holds the per-layer CPU tensors; the server maps it during the call,
 after which the name is unlinked (the server keeps its mapping).

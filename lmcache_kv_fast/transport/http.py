@@ -1,4 +1,4 @@
-"""HTTP info-plane client (protocol doc §5): ``/config``, ``/status``, ``/version``.
+"""HTTP info-plane client (docs/protocol.md §5): ``/config``, ``/status``, ``/version``.
 
 Uses the standard library (no import cost beyond ``urllib``); every request has a timeout.
 """

@@ -1,4 +1,4 @@
-"""ZMQ DEALER client of the server's ROUTER (protocol doc §2).
+"""ZMQ DEALER client of the server's ROUTER (docs/protocol.md §2).
 
 Design: every thread that uses a context gets its own DEALER socket (a ``Channel``),
 so no lock is held around socket I/O and a single-threaded caller sends and receives on
@@ -97,7 +97,7 @@ class Channel:
         frames: list[Any] = [uid_frame, op_frame]
         frames.extend(codec.encode(p) for p in payloads)
         frames.extend(raw)
-        # Never fewer than 2 frames: a 1-frame message kills the server's loop (doc §2.7).
+        # Never fewer than 2 frames: a 1-frame message kills the server's loop (docs/protocol.md §2.7).
         assert len(frames) >= 2
         call = PendingCall(uid, uid_frame, op, op_frame, time.monotonic())
         with self._client.active():

@@ -163,7 +163,7 @@ def test_bench_quick_json(tmp_path: Path) -> None:
     for key in ("cores", "memory_gib", "python", "torch", "lmcache", "lmcache_kv_fast"):
         assert doc["machine"].get(key), key
     assert doc["machine"]["default_backend"] == "native"
-    for srv in ("shm", "pickle"):  # servers started with the README's allocator settings
+    for srv in ("shm", "pickle"):  # servers started with docs/deployment.md's allocator settings
         assert doc["servers"][srv]["malloc"]["MALLOC_ARENA_MAX"] == "1", doc["servers"]
     assert "started servers' allocator: MALLOC_ARENA_MAX=1" in p.stdout
     assert not doc["errors"]
