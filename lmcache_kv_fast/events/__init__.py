@@ -1,6 +1,6 @@
 """KV events of the LMCache MP server, SDK store announcements, and a vLLM-format publisher.
 
-Three layers (protocol doc §2.6, §9):
+Three layers (docs/protocol.md §2.6, §9):
 
 * :func:`subscribe` opens the server's credit-based ``subscribe_kv_events`` stream and
   returns a :class:`KVEventSubscription`, an iterator of typed :class:`KVEventBatch`
@@ -9,7 +9,7 @@ Three layers (protocol doc §2.6, §9):
 * SDK stores announce themselves: :func:`announce_store` turns a store of this SDK into
   ``stored`` :class:`KVEventRecord` objects hashed like the server (blake3 chain) and hands
   them to in-process listeners (:func:`add_listener`, keyed by model name). The server
-  itself records no ``stored`` event for engine-driven (SDK) stores (doc §11 #21).
+  itself records no ``stored`` event for engine-driven (SDK) stores (docs/protocol.md §11 #21).
 * :class:`KVEventPublisher` republishes both sources in vLLM's KV-events wire format (ZMQ
   PUB plus vLLM's optional ROUTER replay socket) through a :class:`VllmEventMapper`.
 

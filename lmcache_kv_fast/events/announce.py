@@ -1,6 +1,6 @@
 """SDK store announcements: listeners keyed by model name, and the server's chunk hashes.
 
-The server records no ``stored`` event for engine-driven (SDK) stores (protocol doc §11
+The server records no ``stored`` event for engine-driven (SDK) stores (docs/protocol.md §11
 #21). :func:`announce_store` turns a store of this SDK into ``stored``
 :class:`~lmcache_kv_fast.protocol.types.KVEventRecord` objects whose block hashes are
 computed exactly like the server's (blake3 chain, :mod:`lmcache_kv_fast.hashing`) and hands

@@ -3,7 +3,7 @@
 A subscription's target is an :class:`~lmcache_kv_fast.context.LMCacheKVCacheContext` or
 an :class:`EventsEndpoint` (a server probed over HTTP without registering a KV layout).
 The helpers here validate endpoint arguments and read what the stream needs of the target
-(closed or not, the server's reaper timeout and the ping interval it implies, doc §3.11).
+(closed or not, the server's reaper timeout and the ping interval it implies, docs/protocol.md §3.11).
 """
 
 from __future__ import annotations
@@ -118,7 +118,7 @@ def _reap_from_mp(mp: dict[str, Any]) -> float:
 
 
 def _ping_interval(reap_timeout_s: float) -> float | None:
-    """Ping often enough that the reaper never closes a live subscription (doc §3.11)."""
+    """Ping often enough that the reaper never closes a live subscription (docs/protocol.md §3.11)."""
     if reap_timeout_s <= 0:
         return None
     return max(1.0, min(reap_timeout_s / 4.0, 30.0))

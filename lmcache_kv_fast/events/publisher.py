@@ -5,7 +5,7 @@
 socket). :class:`KVEventPublisher` feeds it from both sources of a model's events - the
 server's stream (:mod:`lmcache_kv_fast.events.stream`) and this SDK's store announcements
 (:mod:`lmcache_kv_fast.events.announce`) - through one
-:class:`~lmcache_kv_fast.events.vllm_format.VllmEventMapper` (protocol doc §9).
+:class:`~lmcache_kv_fast.events.vllm_format.VllmEventMapper` (docs/protocol.md §9).
 """
 
 from __future__ import annotations
@@ -179,7 +179,7 @@ PublishHook = Callable[[int, VllmKVEventBatch], None]
 
 
 class KVEventPublisher:
-    """Republish a model's KV events in vLLM's wire format (doc §9).
+    """Republish a model's KV events in vLLM's wire format (docs/protocol.md §9).
 
     Sources: the server's event stream of the model (a :class:`KVEventSubscription`) and,
     when the publisher runs in the process that stores, this SDK's own store announcements

@@ -117,7 +117,7 @@ def _check_subscribe_args(cursor: Any, max_events: Any, timeout: Any, instance_i
 
 
 class KVEventSubscription(_StreamIO):
-    """An open ``subscribe_kv_events`` stream (doc §2.6, §9); iterate to get batches.
+    """An open ``subscribe_kv_events`` stream (docs/protocol.md §2.6, §9); iterate to get batches.
 
     Create it with :func:`subscribe`. Iteration yields :class:`KVEventBatch` objects and
     acknowledges each one when the next is requested (credit-based: the server sends the
@@ -131,7 +131,7 @@ class KVEventSubscription(_StreamIO):
     Resilience:
 
     * A ``ping(instance_id)`` thread keeps the subscription alive against the server's
-      reaper (doc §3.11).
+      reaper (docs/protocol.md §3.11).
     * When the connection drops, the stream is re-subscribed at the received cursor once
       the socket reconnects. If the server's ``incarnation`` changed (restart), the stream
       restarts at cursor 0 of the new server and the next batch has

@@ -1,4 +1,4 @@
-"""The socket half of a KV-event subscription: frames in, batches out (doc §2.2, §2.6).
+"""The socket half of a KV-event subscription: frames in, batches out (docs/protocol.md §2.2, §2.6).
 
 :class:`KVEventBatch` is what a subscription yields; :class:`_StreamIO` is the base of
 :class:`~lmcache_kv_fast.events.stream.KVEventSubscription` that speaks the wire: the
@@ -38,7 +38,7 @@ _UIDS = itertools.count(int.from_bytes(os.urandom(3), "big") << 8)
 
 
 class KVEventBatch(_wire.KVEventBatch, kw_only=True):
-    """One batch of the server's KV event stream (doc §4.5), as the subscription yields it.
+    """One batch of the server's KV event stream (docs/protocol.md §4.5), as the subscription yields it.
 
     Wire fields: ``enabled``, ``incarnation`` (server start time in ns), ``next_cursor``,
     ``lost``, ``events`` (:class:`KVEventRecord`, filtered to the subscribed model).
@@ -63,7 +63,7 @@ class KVEventTimeout(ServerTimeoutError):
 
 
 def send_stream_control(sock: zmq.Socket, uid_frame: bytes, action: bytes) -> None:
-    """Send a stream control frame ``[uid, b"", action]`` (``ack`` / ``cancel``, doc §2.2).
+    """Send a stream control frame ``[uid, b"", action]`` (``ack`` / ``cancel``, docs/protocol.md §2.2).
 
     Args:
         sock: The DEALER the subscribe request went out on.

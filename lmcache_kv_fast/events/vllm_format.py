@@ -3,7 +3,7 @@
 The structs mirror ``vllm/distributed/kv_events.py`` (``BlockStored``, ``BlockRemoved``,
 ``AllBlocksCleared``, ``KVEventBatch``); :func:`encode_vllm_batch` writes the positional
 (``"array"``) or the tagged-map (``"map"``) payload. :class:`VllmEventMapper` maps records
-the way LMCache's vLLM adapter does (protocol doc §9): ``stored`` ⇒ ``BlockStored`` for
+the way LMCache's vLLM adapter does (docs/protocol.md §9): ``stored`` ⇒ ``BlockStored`` for
 hashes not announced yet, ``removed`` ⇒ ``BlockRemoved`` of the announced subset, ``lost``
 / a new server incarnation / a withdraw ⇒ one ``BlockRemoved`` of everything announced.
 """
@@ -108,7 +108,7 @@ def _int_hash(h: bytes) -> int:
 
 
 class VllmEventMapper:
-    """Turn MP-server records into vLLM events like LMCache's vLLM adapter (doc §9).
+    """Turn MP-server records into vLLM events like LMCache's vLLM adapter (docs/protocol.md §9).
 
     Keeps the set of announced hashes: ``stored`` ⇒ one ``BlockStored`` per record for its
     hashes not announced yet (records without token ids are skipped); ``removed`` ⇒ one

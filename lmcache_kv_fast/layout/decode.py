@@ -366,7 +366,7 @@ class DecodedEntry:
             f"kernel groups: {lines}. The server's engine-driven path, which this SDK "
             "uses, handles exactly one group (one [planes, L, C, D] object shape, object "
             "group 0), and registering one for this model would replace vLLM's "
-            "multi-group layout on the server until vLLM re-registers (protocol doc "
+            "multi-group layout on the server until vLLM re-registers (docs/protocol.md "
             "§8.6). Only single-group models are supported"
         )
 
@@ -688,7 +688,7 @@ def _chunk_object(group: DecodedGroup, chunk_size: int, model_name: str) -> Chun
         raise KVCacheSDKError(
             f"model {model_name!r}: slots_per_block {group.slots_per_block} != "
             f"tokens_per_block {group.block_size} (a compressed KV group); the "
-            "engine-driven path needs one physical slot per token (protocol doc §8.6)"
+            "engine-driven path needs one physical slot per token (docs/protocol.md §8.6)"
         )
     if chunk_size % group.block_size:
         raise KVCacheSDKError(

@@ -65,7 +65,7 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--pickle-l1-gb", type=float, help="L1 of the started pickle server")
     g.add_argument("--chunk-size", type=int, default=256)
     g.add_argument("--server-malloc", choices=("tuned", "default"), default="tuned",
-                   help="glibc settings of the servers started here: 'tuned' (the README's "
+                   help="glibc settings of the servers started here: 'tuned' (docs/deployment.md's "
                         "deployment settings: MALLOC_ARENA_MAX=1, 512 MiB mmap threshold; "
                         "the pickle plane's server work 2-3x faster for every client) or "
                         "glibc's 'default'")
