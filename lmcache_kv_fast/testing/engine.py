@@ -157,6 +157,24 @@ class OfflineEngine:
         """Drop vLLM's local prefix cache (later hits can only come from LMCache)."""
         return bool(self._child.call("reset_prefix_cache"))
 
+    def kernel_probe(self, cases: list[dict[str, Any]]) -> dict[str, Any]:
+        """Cache random K/V with the installed vLLM's own CPU writer, per ISA.
+
+        Args:
+            cases: ``{"isa", "dtype", "num_kv_heads", "head_dim", "block_size",
+                "num_blocks", "seed"}`` dicts (see ``engine_side/kernel_probe.py``).
+
+        Returns:
+            ``{"machine": {...}, "cases": [{..., "k", "v", "cache"} or {..., "error"}]}``
+            with ``k``/``v`` ``[T, NH, HS]`` and ``cache`` ``[NB, NH, BS, 2*HS]``.
+        """
+        path = self._child.tmp_path(f"probe-{time.monotonic_ns()}.pt")
+        self._child.call("kernel_probe", cases=cases, path=str(path))
+        try:
+            return torch.load(path)
+        finally:
+            path.unlink(missing_ok=True)
+
     def metrics(self) -> dict[str, float]:
         """The prefix-cache counters of vLLM (local and external)."""
         return dict(self._child.call("metrics"))
@@ -327,34 +345,3 @@ def _token_id(text: str) -> int:
         raise EngineChildError(f"expected 'token_id:N' (--return-tokens-as-token-ids), got {text!r}")
     return int(text.split(":", 1)[1])
 
-
-def run_kernel_probe(cases: list[dict[str, Any]], timeout: float = 300.0) -> dict[str, Any]:
-    """Cache random K/V with the installed vLLM's own CPU kernel (``engine_side/kernel_probe.py``).
-
-    Args:
-        cases: ``{"isa", "dtype", "num_kv_heads", "head_dim", "block_size", "num_blocks",
-            "seed"}`` dicts.
-        timeout: Seconds the probe may take.
-
-    Returns:
-        ``{"machine": {...}, "cases": [{..., "k", "v", "cache"} or {..., "error"}]}``
-        with ``k``/``v`` ``[T, NH, HS]`` and ``cache`` ``[NB, NH, BS, 2*HS]``.
-
-    Raises:
-        EngineChildError: The probe failed.
-    """
-    from lmcache_kv_fast.testing.engine_proc import ENGINE_SIDE_DIR
-
-    with tempfile.TemporaryDirectory(prefix="lmckvf-probe-") as tmp:
-        out = Path(tmp) / "probe.pt"
-        proc = subprocess.run(
-            [str(engine_python()), str(ENGINE_SIDE_DIR / "kernel_probe.py"), json.dumps(cases),
-             str(out)],
-            capture_output=True, text=True, env=child_env(), timeout=timeout, check=False,
-            cwd=tmp,
-        )
-        if proc.returncode != 0 or not out.exists():
-            raise EngineChildError(
-                f"kernel probe failed (code {proc.returncode}):\n{proc.stderr[-4000:]}"
-            )
-        return torch.load(out)

@@ -83,25 +83,32 @@ def child_env(extra: dict[str, str] | None = None) -> dict[str, str]:
     return env
 
 
-def stop_group(proc: subprocess.Popen[Any] | None, timeout: float = 15.0) -> None:
-    """End a child started with ``start_new_session=True`` and its whole process group.
+def stop_group(proc: subprocess.Popen[Any] | None, timeout: float = 30.0) -> None:
+    """End a child started with ``start_new_session=True``, then its whole process group.
 
-    SIGTERM to the group, wait up to ``timeout`` s, then SIGKILL; stray members of the
-    group are killed too. Idempotent.
+    SIGTERM to the leader only, so it can shut its own children down and unlink their
+    shared memory (vLLM's engine core keeps ``psm_*`` ring buffers in /dev/shm; a SIGTERM
+    to the whole group at once kills the children first and leaks them); after
+    ``timeout`` s SIGKILL the group. Members left after the leader exited get SIGTERM, a
+    moment, then SIGKILL. Idempotent.
     """
     if proc is None:
         return
     if proc.poll() is None:
         with contextlib.suppress(ProcessLookupError):
-            os.killpg(proc.pid, signal.SIGTERM)
+            proc.send_signal(signal.SIGTERM)
         try:
             proc.wait(timeout)
         except subprocess.TimeoutExpired:
             with contextlib.suppress(ProcessLookupError):
                 os.killpg(proc.pid, signal.SIGKILL)
             proc.wait(10)
-    with contextlib.suppress(ProcessLookupError, PermissionError):
-        os.killpg(proc.pid, signal.SIGKILL)
+    for sig in (signal.SIGTERM, signal.SIGKILL):
+        try:
+            os.killpg(proc.pid, sig)
+        except (ProcessLookupError, PermissionError):
+            return
+        time.sleep(1.0)
 
 
 class EngineChild:

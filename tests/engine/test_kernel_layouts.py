@@ -2,7 +2,8 @@
 
 ``cpu_attn_reshape_and_cache`` (vLLM 0.32.0's compiled kernel) caches random K/V per ISA;
 ``CpuEngineKV.to_raw`` must produce exactly those rows and ``to_tokens`` must recover K/V
-bit for bit. The writer is scalar code, so the AMX order is checked here without AMX.
+bit for bit. The writer is scalar code, so the AMX order is checked here without AMX. The
+probe runs in the shared offline engine's process (vLLM already imported there).
 """
 
 from __future__ import annotations
@@ -11,7 +12,6 @@ import pytest
 import torch
 
 from lmcache_kv_fast.layout import CpuEngineKV, raw_rows_from_paged_blocks, select_cpu_kernel
-from lmcache_kv_fast.testing.engine import run_kernel_probe
 
 pytestmark = pytest.mark.engine
 
@@ -30,10 +30,10 @@ CASES = [
 
 
 @pytest.fixture(scope="module")
-def probe():
+def probe(offline_engine):
     cases = [{"isa": i, "dtype": d, "num_kv_heads": nh, "head_dim": hs, "block_size": bs,
               "num_blocks": 3, "seed": n} for n, (i, d, nh, hs, bs) in enumerate(CASES)]
-    return run_kernel_probe(cases)
+    return offline_engine.kernel_probe(cases)
 
 
 def test_probe_machine(probe):

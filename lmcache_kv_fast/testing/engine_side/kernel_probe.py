@@ -4,6 +4,9 @@ Standalone script for the engine venv (never imports ``lmcache_kv_fast``). Usage
 
     python kernel_probe.py CASES_JSON OUT_PATH
 
+(the offline engine driver offers the same as its ``kernel_probe`` op, without a second
+``import vllm``).
+
 ``CASES_JSON`` is a list of ``{"isa", "dtype", "num_kv_heads", "head_dim", "block_size",
 "num_blocks", "seed"}``. For each case random K/V ``[T, NH, HS]`` (T = num_blocks *
 block_size) go through ``torch.ops._C.cpu_attn_reshape_and_cache`` (what vLLM's CPU
@@ -20,16 +23,16 @@ from __future__ import annotations
 
 import json
 import sys
+from typing import Any
 
 
-def main() -> None:
-    """Run every case and save the results."""
+def probe(cases: list[dict[str, Any]]) -> dict[str, Any]:
+    """Run every case; return ``{"machine": {...}, "cases": [...]}`` (see the module doc)."""
     import torch
     import vllm
     from vllm import _custom_ops as ops
     from vllm.v1.attention.backends import cpu_attn
 
-    cases, out_path = json.loads(sys.argv[1]), sys.argv[2]
     machine = {
         "vllm": vllm.__version__,
         "amx": bool(torch.cpu._is_amx_tile_supported()),
@@ -54,7 +57,14 @@ def main() -> None:
             results.append({**case, "error": f"{type(err).__name__}: {err}"})
             continue
         results.append({**case, "k": k, "v": v, "cache": cache})
-    torch.save({"machine": machine, "cases": results}, out_path)
+    return {"machine": machine, "cases": results}
+
+
+def main() -> None:
+    """Run the cases named on the command line and save the results."""
+    import torch
+
+    torch.save(probe(json.loads(sys.argv[1])), sys.argv[2])
 
 
 if __name__ == "__main__":

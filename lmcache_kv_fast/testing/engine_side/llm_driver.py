@@ -8,7 +8,7 @@ Standalone script for the engine venv, started by ``lmcache_kv_fast.testing.engi
      "tmp_dir": DIR}
 
 Ops (JSON-lines, see ``rpc_child``): ``generate``, ``block_ids``, ``read_blocks``, ``isa``,
-``reset_prefix_cache``, ``metrics``.
+``reset_prefix_cache``, ``metrics``, ``kernel_probe``.
 
 To read the engine's own paged KV, a hook is installed in the worker process (via
 ``collective_rpc``; vLLM runs the worker in a child of its engine-core process on CPU): it
@@ -109,7 +109,7 @@ class Driver:
             model=cfg["model"], skip_tokenizer_init=True, enforce_eager=True,
             dtype=cfg.get("dtype", "bfloat16"), block_size=int(cfg.get("block_size", 128)),
             max_model_len=int(cfg.get("max_model_len", 2048)), enable_prefix_caching=True,
-            max_logprobs=int(cfg.get("max_logprobs", 1024)), seed=0,
+            max_logprobs=int(cfg.get("max_logprobs", 1024)), seed=0, disable_log_stats=False,
             kv_transfer_config=kv_transfer, **cfg.get("engine_args", {}),
         )
         self.hook_info = self.llm.collective_rpc(_install_block_hook)[0]
@@ -171,6 +171,14 @@ class Driver:
         """The worker hook's view: attention layers, their kernel ISA and cache shapes."""
         return self.hook_info
 
+    def kernel_probe(self, cases: list[dict[str, Any]], path: str) -> int:
+        """Run ``kernel_probe.probe`` (vLLM's own cache writer per ISA); save to ``path``."""
+        import kernel_probe
+        import torch
+
+        torch.save(kernel_probe.probe(cases), path)
+        return len(cases)
+
     def reset_prefix_cache(self) -> bool:
         """Drop vLLM's local prefix cache (later hits can only come from LMCache)."""
         return bool(self.llm.reset_prefix_cache())
@@ -203,7 +211,7 @@ def main() -> None:
     rpc_child.start_or_fail(out, drv.start)
     ops = {name: getattr(drv, name) for name in (
         "generate", "block_ids", "read_blocks", "isa", "reset_prefix_cache",
-        "metrics")}
+        "metrics", "kernel_probe")}
     rpc_child.serve(out, ops, on_exit=drv.shutdown)
 
 
