@@ -1,5 +1,8 @@
 """Real-engine fixtures: a vLLM CPU engine (offline and OpenAI server) on the tiny Llama,
-a real LMCache server, and the transformers oracle. Shared per session, always stopped.
+a real LMCache server, and the transformers oracle.
+
+Package-scoped (tests/engine is a package for that): started once, shared by the engine
+tests and stopped right after the last of them, not at the end of the whole session.
 
 Everything under tests/engine gets the ``engine`` marker and a long timeout (an engine
 start takes ~20 s on a quiet 2-core box, minutes on a loaded one).
@@ -7,7 +10,6 @@ start takes ~20 s on a quiet 2-core box, minutes on a loaded one).
 
 from __future__ import annotations
 
-import random
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -20,9 +22,7 @@ from lmcache_kv_fast.testing.engine import OfflineEngine
 from lmcache_kv_fast.testing.oracle import TransformersOracle
 from lmcache_kv_fast.testing.tiny_model import ensure_tiny_model
 
-BLOCK = 128  # vLLM block size of every engine here
-CHUNK = 256  # LMCache chunk size of the server
-ENGINE_TEST_TIMEOUT = 1200
+from .common import BLOCK, CHUNK, ENGINE_TEST_TIMEOUT
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
@@ -33,25 +33,19 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
             item.add_marker(pytest.mark.timeout(ENGINE_TEST_TIMEOUT))
 
 
-def tokens(n: int, seed: int) -> list[int]:
-    """``n`` random ids of the tiny vocabulary (3..1023: no bos/eos/unk)."""
-    rng = random.Random(seed)
-    return [rng.randrange(3, 1024) for _ in range(n)]
-
-
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="package")
 def tiny_model() -> Path:
     """The tiny random-weight Llama directory (written once into .cache/engine)."""
     return ensure_tiny_model()
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="package")
 def model_name(tiny_model: Path) -> str:
     """The name vLLM registers the model by (its path)."""
     return str(tiny_model)
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="package")
 def engine_server() -> Iterator[LMCacheServer]:
     """The real LMCache server the engines and SDKs share (SHM, chunk 256)."""
     srv = LMCacheServer(shm=True, chunk_size=CHUNK, l1_size_gb=0.5)
@@ -62,7 +56,7 @@ def engine_server() -> Iterator[LMCacheServer]:
         srv.stop()
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="package")
 def offline_engine(tiny_model: Path, engine_server: LMCacheServer) -> Iterator[OfflineEngine]:
     """``vllm.LLM`` with LMCacheMPConnector against ``engine_server``."""
     eng = OfflineEngine(tiny_model, engine_server.port, block_size=BLOCK)
@@ -73,7 +67,7 @@ def offline_engine(tiny_model: Path, engine_server: LMCacheServer) -> Iterator[O
         eng.stop()
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="package")
 def oracle(tiny_model: Path) -> Iterator[TransformersOracle]:
     """transformers on the same weights (float32)."""
     orc = TransformersOracle(tiny_model)
@@ -84,14 +78,14 @@ def oracle(tiny_model: Path) -> Iterator[TransformersOracle]:
         orc.stop()
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="package")
 def cpu_kv(tiny_model: Path, offline_engine: OfflineEngine) -> CpuEngineKV:
     """The engine's KV geometry and in-block order (kernel as the engine reports it)."""
     lay = KVLayout.from_hf_config(tiny_model, block_size=BLOCK)
     return CpuEngineKV.from_token_layout(lay, offline_engine.isa[0])
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="package")
 def sdk(engine_server: LMCacheServer, model_name: str, cpu_kv: CpuEngineKV
         ) -> Iterator[lkf.LMCacheKVCacheContext]:
     """This SDK on the engine's model, with the raw single-plane layout given explicitly."""

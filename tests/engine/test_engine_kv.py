@@ -10,10 +10,11 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import BLOCK, CHUNK, tokens
 
 from lmcache_kv_fast.layout import CpuEngineKV, raw_rows_from_paged_blocks, resolve_engine_layout
 from lmcache_kv_fast.testing.engine import OpenAIEngine
+
+from .common import BLOCK, CHUNK, tokens
 
 TAIL = 16
 #: Max |logprob difference| allowed between the bf16 engine and the float32 oracle; the
@@ -228,3 +229,14 @@ def test_upstream_sdk_reads_the_edit_bit_exact(engine_server, model_name, droppe
         reg.unregister()
     assert got is not None
     assert torch.equal(bits(got.reshape(stored.shape)), bits(stored))
+
+
+# ---------------------------------------------------------------------- the driver itself
+def test_driver_reports_errors_and_keeps_serving(offline_engine):
+    from lmcache_kv_fast.testing.engine_proc import EngineChildError
+
+    with pytest.raises(EngineChildError, match="unknown op 'nope'"):
+        offline_engine._child.call("nope")
+    with pytest.raises(EngineChildError, match="no-such-request"):
+        offline_engine.block_ids("no-such-request")
+    assert offline_engine.generate([tokens(40, 60)])[0].num_cached_tokens == 0
