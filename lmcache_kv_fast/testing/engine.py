@@ -20,6 +20,7 @@ from __future__ import annotations
 import contextlib
 import json
 import logging
+import os
 import subprocess
 import tempfile
 import time
@@ -31,6 +32,7 @@ import requests
 import torch
 
 from lmcache_kv_fast.testing.engine_proc import (
+    KEEP_LOGS_ENV,
     EngineChild,
     EngineChildError,
     child_env,
@@ -288,7 +290,10 @@ class OpenAIEngine:
             self._log_file.close()
             self._log_file = None
         if self.log_path is not None:
-            self.log_path.unlink(missing_ok=True)
+            if os.environ.get(KEEP_LOGS_ENV, "") in ("", "0"):
+                self.log_path.unlink(missing_ok=True)
+            else:
+                logger.info("vLLM OpenAI server log kept: %s", self.log_path)
             self.log_path = None
 
     def __enter__(self) -> OpenAIEngine:

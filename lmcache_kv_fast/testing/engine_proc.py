@@ -40,6 +40,9 @@ ENGINE_SIDE_DIR = Path(__file__).resolve().parent / "engine_side"
 #: Repository root (the checkout this package lives in).
 REPO_ROOT = Path(__file__).resolve().parents[2]
 
+#: Set to 1 to keep the engine children's logs and files (their paths are logged).
+KEEP_LOGS_ENV = "LMCACHE_KV_FAST_KEEP_ENGINE_LOGS"
+
 CHILD_ENV = {
     "LMCACHE_TRACK_USAGE": "false",
     "DO_NOT_TRACK": "1",
@@ -182,7 +185,7 @@ class EngineChild:
             self._log_file.close()
             self._log_file = None
         if self.tmp_dir is not None:
-            keep = os.environ.get("LMCACHE_KV_FAST_KEEP_ENGINE_LOGS", "") not in ("", "0")
+            keep = os.environ.get(KEEP_LOGS_ENV, "") not in ("", "0")
             if keep:
                 logger.info("%s files kept in %s", self.name, self.tmp_dir)
             else:
