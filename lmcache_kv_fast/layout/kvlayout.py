@@ -12,6 +12,8 @@ from __future__ import annotations
 
 import logging
 import operator
+import os
+from collections.abc import Mapping
 from dataclasses import dataclass, fields
 from typing import TYPE_CHECKING, Any
 
@@ -265,6 +267,40 @@ class KVLayout:
                     mine, theirs = _dtype_name(mine), _dtype_name(theirs)
                 out.append(f"{f.name}: {mine} != {theirs}")
         return out
+
+    @classmethod
+    def from_hf_config(cls, config: str | os.PathLike[str] | Mapping[str, Any], *,
+                       dtype: torch.dtype | str | None = None, block_size: int = 16) -> KVLayout:
+        """Build the layout from a Hugging Face model configuration.
+
+        See :func:`~lmcache_kv_fast.layout.hf_config.layout_from_hf_config`: reads
+        ``num_hidden_layers``, ``num_key_value_heads``, ``head_dim`` (or ``hidden_size /
+        num_attention_heads``) and ``dtype``/``torch_dtype``; MLA models give the
+        single-plane latent layout; hybrid models are refused.
+
+        Args:
+            config: A model directory, its ``config.json``, a Hugging Face id in the local
+                cache, or the configuration as a mapping.
+            dtype: KV dtype, overriding the configuration's.
+            block_size: Engine tokens per block.
+
+        Returns:
+            The model's layout.
+
+        Raises:
+            KVCacheSDKError: Not found (``ModelConfigNotFoundError``), missing or invalid
+                fields, a hybrid model, or no dtype known.
+
+        Example:
+            >>> KVLayout.from_hf_config({"num_hidden_layers": 2, "num_attention_heads": 4,
+            ...     "num_key_value_heads": 2, "hidden_size": 256, "dtype": "bfloat16"},
+            ...     block_size=128).tensor_shape(256)
+            (2, 2, 256, 128)
+
+        """
+        from lmcache_kv_fast.layout.hf_config import layout_from_hf_config
+
+        return layout_from_hf_config(config, dtype=dtype, block_size=block_size)
 
     @classmethod
     def from_decoded(cls, entry: DecodedEntry, world_size: int | None = None) -> KVLayout:

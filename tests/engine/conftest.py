@@ -1,0 +1,97 @@
+"""Real-engine fixtures: a vLLM CPU engine (offline and OpenAI server) on the tiny Llama,
+a real LMCache server, and the transformers oracle.
+
+Package-scoped (tests/engine is a package for that): started once, shared by the engine
+tests and stopped right after the last of them, not at the end of the whole session.
+
+Everything under tests/engine gets the ``engine`` marker and a long timeout (an engine
+start takes ~20 s on a quiet 2-core box, minutes on a loaded one).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+import lmcache_kv_fast as lkf
+from lmcache_kv_fast.layout import CpuEngineKV, KVLayout
+from lmcache_kv_fast.testing import LMCacheServer
+from lmcache_kv_fast.testing.engine import OfflineEngine
+from lmcache_kv_fast.testing.oracle import TransformersOracle
+from lmcache_kv_fast.testing.tiny_model import ensure_tiny_model
+
+from .common import BLOCK, CHUNK, ENGINE_TEST_TIMEOUT
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    here = Path(__file__).parent
+    for item in items:
+        if here in Path(str(item.fspath)).parents:
+            item.add_marker(pytest.mark.engine)
+            item.add_marker(pytest.mark.timeout(ENGINE_TEST_TIMEOUT))
+
+
+@pytest.fixture(scope="package")
+def tiny_model() -> Path:
+    """The tiny random-weight Llama directory (written once into .cache/engine)."""
+    return ensure_tiny_model()
+
+
+@pytest.fixture(scope="package")
+def model_name(tiny_model: Path) -> str:
+    """The name vLLM registers the model by (its path)."""
+    return str(tiny_model)
+
+
+@pytest.fixture(scope="package")
+def engine_server() -> Iterator[LMCacheServer]:
+    """The real LMCache server the engines and SDKs share (SHM, chunk 256)."""
+    srv = LMCacheServer(shm=True, chunk_size=CHUNK, l1_size_gb=0.5)
+    try:
+        srv.start()
+        yield srv
+    finally:
+        srv.stop()
+
+
+@pytest.fixture(scope="package")
+def offline_engine(tiny_model: Path, engine_server: LMCacheServer) -> Iterator[OfflineEngine]:
+    """``vllm.LLM`` with LMCacheMPConnector against ``engine_server``."""
+    eng = OfflineEngine(tiny_model, engine_server.port, block_size=BLOCK)
+    try:
+        eng.start()
+        yield eng
+    finally:
+        eng.stop()
+
+
+@pytest.fixture(scope="package")
+def oracle(tiny_model: Path) -> Iterator[TransformersOracle]:
+    """transformers on the same weights (float32)."""
+    orc = TransformersOracle(tiny_model)
+    try:
+        orc.start()
+        yield orc
+    finally:
+        orc.stop()
+
+
+@pytest.fixture(scope="package")
+def cpu_kv(tiny_model: Path, offline_engine: OfflineEngine) -> CpuEngineKV:
+    """The engine's KV geometry and in-block order (kernel as the engine reports it)."""
+    lay = KVLayout.from_hf_config(tiny_model, block_size=BLOCK)
+    return CpuEngineKV.from_token_layout(lay, offline_engine.isa[0])
+
+
+@pytest.fixture(scope="package")
+def sdk(engine_server: LMCacheServer, model_name: str, cpu_kv: CpuEngineKV
+        ) -> Iterator[lkf.LMCacheKVCacheContext]:
+    """This SDK on the engine's model, with the raw single-plane layout given explicitly."""
+    ctx = lkf.connect(engine_server.url, engine_server.http_url, model_name,
+                      layout=cpu_kv.raw_layout, timeout=60)
+    try:
+        yield ctx
+    finally:
+        ctx.close()
