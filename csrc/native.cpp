@@ -2,6 +2,8 @@
 //
 // Python passes raw addresses (tensor.data_ptr()) and sizes; every address range is
 // validated here, with the GIL held, before the GIL is released for the copy itself.
+// A tensor's size is the memory that backs it (the Python side bounds it by the
+// tensor's storage); a tensor span that cannot hold the shape raises TensorSpanError.
 #include <pybind11/pybind11.h>
 #include <pybind11/stl.h>
 
@@ -406,7 +408,9 @@ PYBIND11_MODULE(_native, m) {
   m.doc() = "lmcache-kv-fast native core: SHM mapping, parallel chunk scatter/gather, "
             "result buffers";
   m.attr("__version__") = "0.1.0";
+  m.attr("MAX_THREADS") = kMaxThreads;
   install_fork_handlers();
+  py::register_exception<TensorSpanError>(m, "TensorSpanError", PyExc_ValueError);
 
   py::class_<Mapping>(m, "Mapping")
       .def(py::init([](const std::string& name, std::optional<py::int_> size,

@@ -12,6 +12,16 @@ from typing import Any, Literal
 
 __version__: str
 
+#: Most copy threads :func:`set_threads` accepts (CPU_SETSIZE).
+MAX_THREADS: int
+
+class TensorSpanError(ValueError):
+    """The tensor span of a ``scatter``/``gather`` cannot hold the shape.
+
+    Null ``tensor_ptr``, or ``tensor_nbytes`` below ``P*L*T*Dfull*itemsize``. The copy
+    backend turns it into ``InvalidArgumentError`` naming the tensor.
+    """
+
 PopulateMode = Literal[
     "auto", "none", "map_populate", "madvise", "parallel", "parallel_read", "resident"
 ]
@@ -112,12 +122,15 @@ def scatter(tensor_ptr: int, tensor_nbytes: int, shape: Sequence[int], itemsize:
     """Copy chunk ``chunk_ids[j]`` of the ``[P, L, T, Dfull]`` tensor into region j.
 
     ``shape`` is ``(P, L, T, Dfull)``; columns ``[col_offset, col_offset + width)`` are
-    copied; region j holds ``[P, L, chunk_tokens, width]`` C-order. ``owners[j]`` (if
-    given and not None) is the mapping region j must lie in; it stays mapped during the
-    copy. Runs with the GIL released, on the thread pool for large copies.
+    copied; region j holds ``[P, L, chunk_tokens, width]`` C-order. ``tensor_nbytes`` is
+    the memory backing the tensor from ``tensor_ptr`` (the backend passes what the
+    tensor's storage really holds from there). ``owners[j]`` (if given and not None) is
+    the mapping region j must lie in; it stays mapped during the copy. Runs with the GIL
+    released, on the thread pool for large copies.
 
     Raises:
-        ValueError: Any inconsistent size, index or range (before any byte moves).
+        TensorSpanError: Null ``tensor_ptr`` or ``tensor_nbytes`` below the shape's bytes.
+        ValueError: Any other inconsistent size, index or range (before any byte moves).
     """
 
 def gather(tensor_ptr: int, tensor_nbytes: int, shape: Sequence[int], itemsize: int,
@@ -130,7 +143,7 @@ def memcpy(dst: int, src: int, n: int) -> None:
     """Parallel copy of ``n`` bytes on the pool. UNCHECKED addresses."""
 
 def set_threads(n: int) -> None:
-    """Copy threads including the caller, 1..1024 (ValueError otherwise)."""
+    """Copy threads including the caller, 1..MAX_THREADS (ValueError otherwise)."""
 
 def get_threads() -> int:
     """Copy threads (default: LMCACHE_KV_FAST_THREADS, else usable CPUs)."""
