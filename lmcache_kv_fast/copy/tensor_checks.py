@@ -57,7 +57,7 @@ def check_storage(t: torch.Tensor, what: str) -> int:
     """
     need = extent_bytes(t)
     if t.device.type == "meta":
-        raise InvalidArgumentError(f"{what} is on the meta device: it has no data to copy")
+        raise InvalidArgumentError(f"{what} is on device meta: it has no data to copy")
     try:
         storage = t.untyped_storage()
     except (RuntimeError, NotImplementedError) as err:
