@@ -3,8 +3,8 @@
 Addresses are plain ints (``tensor.data_ptr()``). ``scatter``/``gather`` validate every
 range they are given before any byte moves, but a region address that has no owning
 :class:`Mapping` is trusted: the Python layer (``copy.native_backend``) only passes such
-addresses after checking them against the tensor that backs the region. ``memcpy`` is
-entirely unchecked (benchmark/roofline helper).
+addresses after checking them against the tensor (and its storage) that backs the region.
+``memcpy`` only refuses null, overlapping and unmapped ranges (benchmark/roofline helper).
 """
 
 from collections.abc import Sequence
@@ -140,7 +140,12 @@ def gather(tensor_ptr: int, tensor_nbytes: int, shape: Sequence[int], itemsize: 
     """Copy region j into chunk ``chunk_ids[j]`` of the tensor (see :func:`scatter`)."""
 
 def memcpy(dst: int, src: int, n: int) -> None:
-    """Parallel copy of ``n`` bytes on the pool. UNCHECKED addresses."""
+    """Parallel copy of ``n`` bytes on the pool (benchmark roofline helper, not SDK).
+
+    ValueError for null, overlapping or unmapped ranges; otherwise UNCHECKED: nothing
+    tells the core which buffer backs a raw address, so the caller guarantees both
+    ranges belong to live buffers (and ``dst`` to a writable one).
+    """
 
 def set_threads(n: int) -> None:
     """Copy threads including the caller, 1..MAX_THREADS (ValueError otherwise)."""

@@ -41,7 +41,7 @@ from lmcache_kv_fast.copy.base import (
     check_tensor_view,
     numel,
 )
-from lmcache_kv_fast.copy.tensor_checks import check_destination, check_source, check_storage
+from lmcache_kv_fast.copy.tensor_checks import check_destination, check_source
 from lmcache_kv_fast.errors import InvalidArgumentError
 
 logger = logging.getLogger(__name__)
@@ -187,10 +187,15 @@ def _region_args(regions: Sequence[Region], what: str
             if t.device.type != "cpu":
                 raise ValueError(f"{what}: region {j} tensor is on {t.device}, not the CPU")
             base = t.data_ptr()
-            backed = min(t.numel() * t.element_size(), check_storage(t, f"{what}: region {j}"))
-            if not t.is_contiguous() or addr < base or addr + nbytes > base + backed:
+            isz = t.element_size()
+            st = t.untyped_storage()  # what really backs it (its storage may have shrunk)
+            backed = min(t.numel() * isz, st.nbytes() - t.storage_offset() * isz)
+            if (not t.is_contiguous() or st.data_ptr() == 0 or addr < base
+                    or addr + nbytes > base + backed):
                 raise ValueError(
-                    f"{what}: region {j} [{addr:#x}, +{nbytes}) is not covered by its tensor"
+                    f"{what}: region {j} [{addr:#x}, +{nbytes}) is not covered by its tensor "
+                    f"({t.numel() * isz} bytes at {base:#x}, {max(backed, 0)} of them in "
+                    "its storage)"
                 )
             keep.append(t)
         else:

@@ -55,11 +55,11 @@ def check_storage(t: torch.Tensor, what: str) -> int:
             freed (null data pointer) or holds fewer bytes than its shape, strides and
             storage offset address.
     """
-    need = extent_bytes(t)
-    if t.device.type == "meta":
+    if t.is_meta:
         raise InvalidArgumentError(f"{what} is on device meta: it has no data to copy")
     try:
         storage = t.untyped_storage()
+        need = extent_bytes(t)
     except (RuntimeError, NotImplementedError) as err:
         raise InvalidArgumentError(
             f"{what} has no accessible storage (layout {t.layout}): {err}") from err

@@ -6,7 +6,8 @@
   tensor, before any byte moves (before: the native core read / wrote out of bounds,
   SIGSEGV; the torch backend raised a bare RuntimeError).
 * The core itself refuses a tensor span too small for the shape or null
-  (``_native.TensorSpanError``, a ValueError).
+  (``_native.TensorSpanError``, a ValueError); its raw-address ``memcpy`` refuses
+  unmapped ranges.
 * Region tensors with a shrunk storage are refused.
 * Negative / conjugate bits: a source is resolved (the stored bytes are its logical
   values; before, the native backend stored the raw bytes: ``-kv``), a destination is
@@ -211,6 +212,31 @@ def test_core_refuses_short_or_null_tensor_span() -> None:
             with pytest.raises(_native.TensorSpanError, match=text):
                 fn(*args)
     assert issubclass(_native.TensorSpanError, ValueError)
+
+
+def test_core_memcpy_refuses_unmapped_ranges() -> None:
+    """The raw-address helper refuses a range with a hole (a freed buffer) instead of faulting."""
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.mmap.restype = ctypes.c_void_p
+    libc.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int,
+                          ctypes.c_int, ctypes.c_long]
+    libc.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
+    page = os.sysconf("SC_PAGE_SIZE")
+    prot_rw, map_private_anon = 0x1 | 0x2, 0x02 | 0x20
+    base = libc.mmap(None, 3 * page, prot_rw, map_private_anon, -1, 0)
+    assert base not in (None, ctypes.c_void_p(-1).value)
+    try:
+        assert libc.munmap(base + page, page) == 0  # a hole in the middle
+        src = torch.ones(2 * page, dtype=torch.uint8)
+        _native.memcpy(base, src.data_ptr(), page)  # the first page is fine
+        for dst, n in ((base, 2 * page), (base + page - 8, 16), (base + 2 * page - 1, 2)):
+            with pytest.raises(ValueError, match="memcpy dst.*not .*mapped"):
+                _native.memcpy(dst, src.data_ptr(), n)
+        with pytest.raises(ValueError, match="memcpy src.*not .*mapped"):
+            _native.memcpy(src.data_ptr(), base, 2 * page)
+    finally:
+        libc.munmap(base, page)
+        libc.munmap(base + 2 * page, page)
 
 
 # --------------------------------------------------------------------------- neg / conj bits
