@@ -15,6 +15,7 @@ from typing import Annotated, Any
 import msgspec
 import torch
 
+from lmcache_kv_fast.copy.tensor_checks import check_destination, check_source
 from lmcache_kv_fast.errors import InvalidArgumentError, InvalidTypeError
 from lmcache_kv_fast.layout import KVLayout
 from lmcache_kv_fast.protocol import codec
@@ -189,6 +190,8 @@ def check_kv(kv: Any, layout: KVLayout, dtype: torch.dtype) -> torch.Tensor:
         raise InvalidArgumentError(f"kv has shape {list(shape)}, expected {want}")
     if kv.requires_grad:
         kv = kv.detach()
+    # storage bounds and neg/conj bits, before anything (.cpu(), .contiguous()) reads it
+    kv = check_source(kv, "kv")
     if kv.device.type != "cpu":
         try:
             kv = kv.cpu()
@@ -222,6 +225,7 @@ def check_out(out: Any, tokens: int, layout: KVLayout, dtype: torch.dtype) -> to
         raise InvalidArgumentError(f"out must be a CPU tensor, got device {out.device}")
     if not out.is_contiguous():
         raise InvalidArgumentError("out must be contiguous")
+    check_destination(out, "out")
     shape = tuple(out.shape)
     if lay.planes == 2:
         ok = len(shape) == 4 and shape[0] == 2 and shape[1] == lay.num_layers and \

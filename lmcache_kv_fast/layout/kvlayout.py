@@ -20,11 +20,12 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from lmcache_kv_fast.errors import InvalidArgumentError, InvalidTypeError, KVCacheSDKError
+from lmcache_kv_fast.layout.hf_config import kv_geometry_from_hf_config
 
 if TYPE_CHECKING:
     from lmcache_kv_fast.layout.decode import DecodedEntry
 
-__all__ = ["SUPPORTED_DTYPES", "KVLayout", "normalize_dtype"]
+__all__ = ["SUPPORTED_DTYPES", "KVLayout", "layout_from_hf_config", "normalize_dtype"]
 
 logger = logging.getLogger(__name__)
 
@@ -273,7 +274,7 @@ class KVLayout:
                        dtype: torch.dtype | str | None = None, block_size: int = 16) -> KVLayout:
         """Build the layout from a Hugging Face model configuration.
 
-        See :func:`~lmcache_kv_fast.layout.hf_config.layout_from_hf_config`: reads
+        See :func:`~lmcache_kv_fast.layout.hf_config.kv_geometry_from_hf_config`: reads
         ``num_hidden_layers``, ``num_key_value_heads``, ``head_dim`` (or ``hidden_size /
         num_attention_heads``) and ``dtype``/``torch_dtype``; MLA models give the
         single-plane latent layout; hybrid models are refused.
@@ -298,9 +299,12 @@ class KVLayout:
             (2, 2, 256, 128)
 
         """
-        from lmcache_kv_fast.layout.hf_config import layout_from_hf_config
-
-        return layout_from_hf_config(config, dtype=dtype, block_size=block_size)
+        kw = kv_geometry_from_hf_config(config, dtype=dtype, block_size=block_size)
+        where = kw.pop("where")
+        try:
+            return cls(**kw)
+        except InvalidArgumentError as err:
+            raise InvalidArgumentError(f"model configuration{where}: {err}") from err
 
     @classmethod
     def from_decoded(cls, entry: DecodedEntry, world_size: int | None = None) -> KVLayout:
@@ -367,3 +371,10 @@ class KVLayout:
             block_size=chunk.block_size,
             mla=False,
         )
+
+
+def layout_from_hf_config(config: str | os.PathLike[str] | Mapping[str, Any], *,
+                          dtype: torch.dtype | str | None = None, block_size: int = 16,
+                          ) -> KVLayout:
+    """The same as :meth:`KVLayout.from_hf_config` (a function, for ``map`` and friends)."""
+    return KVLayout.from_hf_config(config, dtype=dtype, block_size=block_size)
