@@ -11,10 +11,11 @@ on_result=...)``), :meth:`ItemEngine._task` is the function to switch over.
 
 On top of batch's per-item flow it adds what a fleet needs:
 
-* ``verify`` (set on a retry after a lost actor): when the store found chunks of the item's
-  output already cached, they are read back and compared byte for byte with this
-  attempt's output; a difference fails the item at stage ``verify`` instead of leaving a
-  silently mixed result (see docs/distributed.md, "Faults").
+* ``verify`` (set on a retry after a lost actor): the part of the item's output that is
+  already cached (what the lost attempt stored) is read back and compared byte for byte
+  with this attempt's output *before* anything is stored; a difference fails the item at
+  stage ``verify`` and stores nothing, instead of mixing two attempts' results (see
+  docs/distributed.md, "Faults").
 * ``want_hashes``: return the server chunk hashes of what was stored (feeds a
   :class:`~lmcache_kv_fast.distributed.events_index.KVEventsIndex`; the server announces
   no SDK store, protocol doc §11 #21).
@@ -238,14 +239,7 @@ class ItemEngine:
             kv, toks = item
         except (TypeError, ValueError) as err:
             return _outcome(_fail(res, "store", err))
-        t = time.perf_counter()
-        try:
-            r = self.ctx.store_ex(kv, toks, salt)
-        except Exception as err:
-            return _outcome(_fail(res, "store", err))
-        res.stages["store"] = time.perf_counter() - t
-        _account_store(res, kv, r)
-        return self._after_store(res, r, kv, toks, salt, verify, want_hashes)
+        return self._store_checked(res, kv, toks, salt, verify, want_hashes)
 
     def _rewrite(self, index: int, toks_in: Any, fn: Callable[..., Any], salt: str,
                  verify: bool, want_hashes: bool) -> Outcome:
@@ -281,25 +275,45 @@ class ItemEngine:
             except Exception as err:
                 return _outcome(_fail(res, "fn", err))
             res.stages["fn"] = time.perf_counter() - t
-            t = time.perf_counter()
-            try:
-                r = ctx.store_ex(new_kv, new_toks, salt)
-            except Exception as err:
-                return _outcome(_fail(res, "store", err))
-            res.stages["store"] = time.perf_counter() - t
-            _account_store(res, new_kv, r)
-            return self._after_store(res, r, new_kv, new_toks, salt, verify, want_hashes)
+            return self._store_checked(res, new_kv, new_toks, salt, verify, want_hashes)
         finally:
             self._give(buf)
             self._out_pool.give_back(taken)
 
-    def _after_store(self, res: _ItemResult, r: Any, kv: torch.Tensor, toks: Any, salt: str,
-                     verify: bool, want_hashes: bool) -> Outcome:
-        out = _outcome(res, refused=r.chunks_refused)
-        if verify and r.chunks_already_cached and r.tokens_stored:
+    def _store_checked(self, res: _ItemResult, kv: torch.Tensor, toks: Any, salt: str,
+                       verify: bool, want_hashes: bool) -> Outcome:
+        """Store (as ``batch`` does); with ``verify``, first compare what is already cached.
+
+        A retry must not add its chunks to an earlier attempt's different result: the
+        cached prefix of the output is read back and compared before anything is stored
+        (a conflict fails the item and stores nothing), and whatever else the store finds
+        already cached (a gap) is compared after it.
+        """
+        verified = 0
+        if verify:
             t = time.perf_counter()
-            why = self._differs(kv, toks, r.tokens_stored, salt)
-            out.stages["verify"] = time.perf_counter() - t
+            try:
+                verified = self.ctx.lookup(toks, salt)
+            except Exception as err:
+                return _outcome(_fail(res, "verify", err))
+            why = self._differs(kv, toks, verified, salt) if verified else ""
+            res.stages["verify"] = time.perf_counter() - t
+            if why:
+                res.status, res.stage, res.reason = "failed", "verify", why
+                return _outcome(res)
+        t = time.perf_counter()
+        try:
+            r = self.ctx.store_ex(kv, toks, salt)
+        except Exception as err:
+            return _outcome(_fail(res, "store", err))
+        res.stages["store"] = time.perf_counter() - t
+        _account_store(res, kv, r)
+        out = _outcome(res, refused=r.chunks_refused)
+        cached_toks = r.chunks_already_cached * self.ctx.chunk_size
+        if verify and r.tokens_stored and cached_toks > verified:
+            t = time.perf_counter()
+            why = self._differs(kv, toks, r.tokens_stored, salt, stored=True)
+            out.stages["verify"] = out.stages.get("verify", 0.0) + time.perf_counter() - t
             if why:
                 out.status, out.stage, out.reason = "failed", "verify", why
                 return out
@@ -313,14 +327,14 @@ class ItemEngine:
                 logger.warning("cannot hash the stored chunks for the events index: %s", err)
         return out
 
-    def _differs(self, kv: torch.Tensor, toks: Any, n: int, salt: str) -> str:
-        """Empty when the cached ``toks[:n]`` equal ``kv[..., :n, :]``, else why not."""
+    def _differs(self, kv: torch.Tensor, toks: Any, n: int, salt: str, *, stored: bool = False) -> str:
+        """Empty when the cached ``toks[:n]`` equal ``kv[..., :n, :]`` (or are gone), else why not."""
         try:
             got = self.ctx.retrieve(normalize_tokens(toks)[:n], salt)
         except Exception as err:
-            return f"could not read the stored output back to verify it: {type(err).__name__}: {err}"
-        if got is None:
-            return "could not read the stored output back to verify it (evicted meanwhile)"
+            return f"could not read the cached output back to verify it: {type(err).__name__}: {err}"
+        if got is None:  # evicted meanwhile: nothing left that could be served wrong
+            return ""
         m = got.shape[-2]
         mine = kv.reshape(got.shape[:-2] + kv.shape[-2:])[..., :m, :] if kv.dim() != got.dim() \
             else kv[..., :m, :]
@@ -329,4 +343,5 @@ class ItemEngine:
         return ("conflict: the server already held chunks of this item's output with other "
                 "content (an earlier attempt on a lost actor stored a different result: fn "
                 "is not deterministic, or its input changed, e.g. the source KV was partly "
-                "evicted); they were not overwritten")
+                "evicted); they were not overwritten"
+                + ("" if stored else " and nothing of this attempt was stored"))
