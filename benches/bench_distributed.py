@@ -138,9 +138,13 @@ def main() -> None:
             assert all(o.status == "ok" for o in outs), outs
             return None
 
+        driver_cpu: list[float] = []
+
         def run_fleet(route: Any) -> Any:
             def run(seqs: list[list[int]]) -> Any:
+                cpu = time.process_time()
                 rep = fleet.rewrite(seqs, drop_every_kth, route=route, progress=False)
+                driver_cpu.append((time.process_time() - cpu) / len(seqs))
                 assert rep.ok == a.sequences, rep.summary()
                 return rep
             return run
@@ -178,6 +182,21 @@ def main() -> None:
             with KVEventsIndex([Server(srv.url, srv.http_url, name="srv")], MODEL) as idx:
                 b = timed(lambda: idx.best(long_toks), 200)
             results["route_index_per_seq_us"] = statistics.median(b) * 1e6
+            results["driver_cpu_ms_per_item"] = statistics.median(driver_cpu) * 1e3
+            # tiny items: sequences cached nowhere, sent to the actor anyway (one lookup
+            # each): the per-item ceiling of the driver + Ray + one actor
+            tiny = [[random.randrange(0, 2**31) for _ in range(ctx.chunk_size)] for _ in range(256)]
+            for ipc in (1, 8):
+                fleet.items_per_call = ipc
+                cpu = time.process_time()
+                t = time.perf_counter()
+                rep = fleet.rewrite(tiny, drop_every_kth, route=lambda _t: 0, progress=False)
+                wall = time.perf_counter() - t
+                assert rep.missed == len(tiny), rep.summary()
+                results[f"tiny_items_per_s_ipc{ipc}"] = len(tiny) / wall
+                results[f"tiny_driver_cpu_ms_per_item_ipc{ipc}"] = (
+                    (time.process_time() - cpu) / len(tiny) * 1e3)
+            fleet.items_per_call = 1
         finally:
             fleet.close()
         ctx.close()
@@ -214,6 +233,11 @@ def main() -> None:
     print(f"driver routing per {a.tokens}-token sequence: chunk hashes "
           f"{results['route_hash_per_seq_us']:.0f} us, events-index best() "
           f"{results['route_index_per_seq_us']:.0f} us")
+    print(f"driver CPU per item (W3 fleet runs): {results['driver_cpu_ms_per_item']:.2f} ms")
+    for ipc in (1, 8):
+        print(f"tiny items (a miss each, one actor, items_per_call={ipc}): "
+              f"{results[f'tiny_items_per_s_ipc{ipc}']:.0f} items/s, driver CPU "
+              f"{results[f'tiny_driver_cpu_ms_per_item_ipc{ipc}']:.2f} ms/item")
     if a.json:
         with open(a.json, "w") as f:
             json.dump({**results, "runs": runs}, f, indent=2)

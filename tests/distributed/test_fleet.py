@@ -83,6 +83,10 @@ def _check_outputs(models: list[Model], owned: dict[int, list[list[int]]],
             ctx.close()
 
 
+def _registered(server) -> set[str]:
+    return {str(i) for i in server.status().get("registered_non_cuda_instance_ids", [])}
+
+
 def _all_unlocked(env: FleetEnv, timeout: float = WRITE_TTL + 4) -> None:
     for s in env.servers:
         assert not any(wait_unlocked(s, timeout).values()), (s.url, wait_unlocked(s, 0))
@@ -146,6 +150,8 @@ def test_route_function_longest_prefix_and_store_retrieve(env: FleetEnv):
     seqs = [rand_tokens(2 * c + 5, seed=2000 + k) for k in range(6)]
     kvs = [models[0].kv(len(t), seed=k) for k, t in enumerate(seqs)]
     with Fleet(specs, models[0].name, connect_kwargs=CONNECT) as fleet:
+        iids = [s.info["instance_id"] for s in fleet.slots]
+        assert all(str(i) in _registered(env.servers[k]) for k, i in enumerate(iids))
         # a route function: item k -> server k % 3 (by index, by name, by Server)
         answers = [0, "srv1", specs[2], 0, "srv1", specs[2]]
         rep = fleet.store_many(list(zip(kvs, seqs)), route=lambda t: answers[seqs.index(t)])
@@ -179,6 +185,8 @@ def test_route_function_longest_prefix_and_store_retrieve(env: FleetEnv):
         rrep = fleet.rewrite(seqs, drop_every_4th, route=lambda t: 99, progress=False)
         assert rrep.failed == 6 and all(e.stage == "route" and "index 99" in e.reason
                                         for e in rrep.errors)
+    # closing the fleet unregistered every actor's context
+    assert not any(str(i) in _registered(env.servers[k]) for k, i in enumerate(iids))
     # the one-call form
     [(i, kv)] = list(retrieve_many(specs, models[0].name, [seqs[1]], connect_kwargs=CONNECT))
     assert i == 0 and torch.equal(kv, kvs[1][..., : 2 * c, :])
