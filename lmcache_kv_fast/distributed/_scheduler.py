@@ -69,6 +69,8 @@ class Job:
                  report: FleetReport | None = None) -> None:
         if fleet._closed:
             raise KVCacheSDKError("the fleet is closed")
+        if fleet.busy:
+            raise KVCacheSDKError("the fleet is running another job (one job at a time per Fleet)")
         if report is not None and not isinstance(report, FleetReport):
             raise InvalidArgumentError(f"report must be a FleetReport, got {type(report).__name__}")
         self.fleet, self.op, self._ray = fleet, op, fleet._ray
@@ -98,6 +100,7 @@ class Job:
     def run(self) -> Iterator[tuple[int, Any]]:
         """Drive the job; yields ``(index, kv | None)`` for ``retrieve`` as items finish."""
         t0 = time.perf_counter()
+        self.fleet.busy = True
         try:
             while True:
                 self._route_more()
@@ -115,6 +118,7 @@ class Job:
             self._cancel()
             raise
         finally:
+            self.fleet.busy = False
             self.report.seconds = time.perf_counter() - t0
             self._progress.close()
         logger.info("fleet %s: %s", self.op, self.report.summary())
@@ -252,8 +256,12 @@ class Job:
                     self._assign(item, home)
                     continue
             unknown = [slots[i].server.name for i, h in enumerate(hits) if h < 0]
-            self._finish(item, None, "missed", "route", "cached on no server"
-                         + (f" (no answer from {', '.join(unknown)})" if unknown else ""))
+            if unknown:  # it may be cached there: not a miss
+                self._finish(item, None, "failed", "route",
+                             f"cached on none of the servers that answered; no answer from "
+                             f"{', '.join(unknown)}")
+            else:
+                self._finish(item, None, "missed", "route", "cached on no server")
 
     def _chunk(self) -> int:
         for s in self.fleet.slots:

@@ -40,6 +40,10 @@ class Fleet:
         model_name: Model of every job.
         connect_kwargs: More :func:`lmcache_kv_fast.connect` arguments for every actor
             (``layout``, ``timeout``, ``world_size``, ...).
+        remote_connect_kwargs: Overrides for actors that do not run on their server's node
+            (a server on no Ray node, or a replacement after the node was lost). Such an
+            actor cannot map an SHM server's pool; pass the option that selects the
+            pickle plane here once ``connect`` offers one (see docs/distributed.md).
         max_in_flight: Items in flight per actor (memory bound per node).
         items_per_call: Items per Ray call (1: every item acknowledged on its own).
         workers: Engine worker threads per actor (None: as ``batch``).
@@ -60,6 +64,7 @@ class Fleet:
     """
 
     def __init__(self, servers: Any, model_name: str, *, connect_kwargs: dict[str, Any] | None = None,
+                 remote_connect_kwargs: dict[str, Any] | None = None,
                  max_in_flight: int = DEFAULT_MAX_IN_FLIGHT, items_per_call: int = 1,
                  workers: int | None = None, max_restarts: int = 2, max_replacements: int = 1,
                  max_attempts: int = 3, wait_for_lost_writes: bool = True,
@@ -76,6 +81,8 @@ class Fleet:
         self.servers = as_servers(servers)
         self.model_name = model_name
         self.connect_kwargs = dict(connect_kwargs or {})
+        self.remote_connect_kwargs = {**self.connect_kwargs, **(remote_connect_kwargs or {})}
+        self.busy = False  # one job at a time
         self.max_in_flight = max_in_flight
         self.items_per_call = items_per_call
         self.max_attempts = max_attempts
@@ -114,8 +121,9 @@ class Fleet:
             opts["scheduling_strategy"] = NodeAffinitySchedulingStrategy(slot.node, soft=soft)
         opts.update(self._actor_options)
         s = slot.server
-        return self._remote.options(**opts).remote(s.url, s.http_url, self.model_name,
-                                                   self.connect_kwargs, self._engine_kwargs)
+        ck = self.connect_kwargs if slot.node is not None and not soft else self.remote_connect_kwargs
+        return self._remote.options(**opts).remote(s.url, s.http_url, self.model_name, ck,
+                                                   self._engine_kwargs)
 
     def _start_all(self, timeout: float) -> None:
         ray = self._ray
