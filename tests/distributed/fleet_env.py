@@ -41,6 +41,8 @@ class FleetEnv:
     node_ids: list[str]
     servers: list[LMCacheServer]
     spare: LMCacheServer  # not in the fleet by default (a test may stop it)
+    spare_node: Any  # a Ray node no server uses (a test may remove it)
+    spare_node_id: str
 
     def specs(self, names: bool = True) -> list[Server]:
         return [Server(s.url, s.http_url, node=n, name=f"srv{i}" if names else "")
@@ -75,6 +77,8 @@ def fleet_env_fixture() -> Iterator[FleetEnv]:
         for i in range(1, N_NODES):
             cluster.add_node(num_cpus=1, resources={f"lmckv_node_{i}": 1},
                              object_store_memory=OBJECT_STORE)
+        spare_node = cluster.add_node(num_cpus=1, resources={"lmckv_node_spare": 1},
+                                      object_store_memory=OBJECT_STORE)
         ray.init(address=cluster.address, logging_level=logging.WARNING, log_to_driver=False)
         ray.cloudpickle.register_pickle_by_value(fleet_helpers)
         for t in threads:
@@ -84,9 +88,12 @@ def fleet_env_fixture() -> Iterator[FleetEnv]:
         by_res = {}
         for n in ray.nodes():
             for r in n["Resources"]:
-                if r.startswith("lmckv_node_") and n["Alive"]:
+                if r.startswith("lmckv_node_") and r[-1].isdigit() and n["Alive"]:
                     by_res[int(r.rsplit("_", 1)[1])] = n["NodeID"]
-        yield FleetEnv(cluster, [by_res[i] for i in range(N_NODES)], servers[:N_NODES], servers[N_NODES])
+        spare_id = next(n["NodeID"] for n in ray.nodes()
+                        if n["Alive"] and "lmckv_node_spare" in n["Resources"])
+        yield FleetEnv(cluster, [by_res[i] for i in range(N_NODES)], servers[:N_NODES],
+                       servers[N_NODES], spare_node, spare_id)
     finally:
         for t in threads:
             t.join()
