@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import logging
 import os
+import shutil
 import threading
 import time
 import uuid
@@ -97,11 +98,18 @@ def fleet_env_fixture() -> Iterator[FleetEnv]:
     finally:
         for t in threads:
             t.join()
+        session_dir = None
+        try:
+            session_dir = ray._private.worker._global_node.get_session_dir_path()
+        except Exception:
+            pass
         ray.shutdown()
         if cluster is not None:
             cluster.shutdown()
         for s in servers:
             s.stop()
+        if session_dir and os.path.basename(session_dir).startswith("session_"):
+            shutil.rmtree(session_dir, ignore_errors=True)  # the cluster's logs
 
 
 # ---------------------------------------------------------------------- commit trap
