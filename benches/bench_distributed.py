@@ -38,7 +38,11 @@ import torch
 
 from lmcache_kv_fast import KVLayout, batch, connect
 from lmcache_kv_fast.testing import LMCacheServer
-from lmcache_kv_fast.testing.benchmark import drop_every_kth
+
+try:
+    from lmcache_kv_fast.testing.bench import drop_every_kth
+except ImportError:  # before testing/benchmark.py was split into testing/bench/
+    from lmcache_kv_fast.testing.benchmark import drop_every_kth
 
 logger = logging.getLogger("bench_distributed")
 MODEL = "bench-distributed"
