@@ -88,6 +88,7 @@ def main() -> None:
     ap.add_argument("--tokens", type=int, default=2048)
     ap.add_argument("--layers", type=int, default=32)
     ap.add_argument("--reps", type=int, default=1, help="runs of each variant")
+    ap.add_argument("--warmup", type=int, default=1, help="untimed runs first")
     ap.add_argument("--max-in-flight", type=int, default=3)
     ap.add_argument("--json", help="write the numbers here")
     a = ap.parse_args()
@@ -164,6 +165,11 @@ def main() -> None:
         reports: dict[str, Any] = {}
         tag = 0
         try:
+            for _ in range(a.warmup):  # untimed: the server's L1 pages, each process's
+                for warm in (run_engine, variants["ray"]):  # mapping of them, the pools
+                    tag += 1
+                    warm(fresh(tag))
+            driver_cpu.clear()
             for _ in range(a.reps):  # interleaved: the box's load drifts
                 for name, run in variants.items():
                     tag += 1
