@@ -408,3 +408,61 @@ def test_context_in_forked_child(plane: str, request: pytest.FixtureRequest) -> 
     finally:
         ctx.close()
     assert str(ctx.instance_id) not in _registered(srv)
+
+
+_GC_CHILD = """
+import gc, os, sys
+import lmcache_kv_fast as lkf
+from lmcache_kv_fast.transport.http import HttpInfoClient
+
+url, http_url, model = sys.argv[1:4]
+# No heartbeat: no background thread whose (inherited, never ending) frame holds the context.
+ctx = lkf.connect(url, http_url, model, timeout=10, heartbeat=False)
+iid = str(ctx.instance_id)
+toks = list(range(1000, 1000 + {c}))
+pid = os.fork()
+if pid == 0:
+    # The child drops the parent's context and exits normally: __del__, the garbage
+    # collector, pyzmq's finalizers and interpreter shutdown all run here.
+    import weakref
+    ref = weakref.ref(ctx)
+    del ctx
+    gc.collect()
+    sys.exit(0 if ref() is None else 3)
+_, status = os.waitpid(pid, 0)
+print("CHILD", os.waitstatus_to_exitcode(status))
+regs = HttpInfoClient(http_url, 5).status().get("non_cuda_context_meta") or {{}}
+print("REGISTERED", iid in regs)
+print("LOOKUP", ctx.lookup(toks))
+ctx.close()
+regs = HttpInfoClient(http_url, 5).status().get("non_cuda_context_meta") or {{}}
+print("UNREGISTERED", iid not in regs)
+"""
+
+
+@pytest.mark.timeout(120)
+def test_garbage_collected_in_forked_child_leaves_parent_alone(server_shm: LMCacheServer) -> None:
+    """A child that drops the inherited context must not unregister or close the parent's."""
+    import subprocess
+    import sys
+
+    m = make_model(server_shm, num_layers=2, num_kv_heads=2, head_size=64)
+    # Its own session: a hung grandchild (the forked one) is killed with the group.
+    proc = subprocess.Popen(
+        [sys.executable, "-c", _GC_CHILD.format(c=C), server_shm.url, server_shm.http_url,
+         m.name], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        start_new_session=True,
+    )
+    try:
+        stdout, stderr = proc.communicate(timeout=100)
+    except subprocess.TimeoutExpired:  # before the fix: the child hung in __del__ / close()
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.communicate()
+        pytest.fail("the forked child hung while collecting the parent's context")
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGKILL)  # a forked grandchild left behind
+    assert proc.returncode == 0, stderr[-3000:]
+    assert "unregister" not in stderr, stderr[-3000:]
+    assert stdout.split() == ["CHILD", "0", "REGISTERED", "True", "LOOKUP", "0",
+                              "UNREGISTERED", "True"], stdout + stderr[-3000:]
