@@ -127,7 +127,7 @@ class StoreFlow:
                     by_chunk = sorted(zip(p.idx, range(len(p.idx)), strict=True))
                     self._hints.remember((*hint_key, p.rank), [p.slots[j] for _, j in by_chunk])
             return StoreResult(end, n, n, 0, 0)
-        k = self._settled_prefix(ch, toks, salt, n)
+        k = self._settled_prefix(self._after(ch), toks, salt, n)
         n_written = len([i for i in all_written if i < k]) if ok_commits else 0
         present = min(k, n)
         cached = max(0, present - n_written)
@@ -193,15 +193,27 @@ class StoreFlow:
                 "it safely; nothing was committed"
             )
 
+    def _after(self, ch: Channel) -> Channel:
+        """The channel to go on with: a fresh one if ``ch`` was retired after a timeout.
+
+        Its waits are short, like those after a timeout on the same channel (a dead server
+        costs one timeout per operation, not one per call).
+        """
+        if not ch.retired:
+            return ch
+        assert self._s.zmq is not None
+        fresh = self._s.zmq.channel()
+        fresh.unresponsive = True
+        return fresh
+
     def _finish(self, ch: Channel, commits: list[PendingCall], rid: str, *,
                 pins_writer: bool) -> bool:
         """Wait for the commits, then end the session; True when every commit said True.
 
-        A commit that times out may still run: the channel is retired with an obligation
-        that waits for it, then ends the session (``client/late.py``).
-
-        Raises:
-            ServerTimeoutError: A commit got no reply in time.
+        A commit that times out may still run (then the data, written in full, becomes
+        visible late): the channel is retired with an obligation that waits for it, then
+        ends the session (``client/late.py``), and False is returned (the caller verifies
+        by lookup what is cached now).
         """
         s = self._s
         if ch.retired:
@@ -217,7 +229,7 @@ class StoreFlow:
                                 pins_writer=pins_writer)
                 ob.settler = self._late_commits(ob, ch, commits[i:], rid)
                 s.late.adopt(ch, ob)
-                raise
+                return False
             except KVCacheSDKError as err:
                 ok = False
                 logger.warning("commit_store failed: %s", err)
@@ -326,19 +338,22 @@ class StoreFlow:
                 s.copy(s.backend.scatter, src, range(k0, n), regions, s.shard_cols[r])
                 s.tls.chunks = n - k0
                 frames.append(backing)
-                commits.append(ch.send(Op.COMMIT_STORE, [key, s.instance_id], raw=[frame]))
+                commits.append(ch.send(Op.COMMIT_STORE, [key, s.writer_id], raw=[frame]))
         finally:
             for i, cm in enumerate(commits):
                 try:
                     ok &= bool(ch.wait(cm, bool))
                     answered += 1
                 except ServerTimeoutError:  # may still run: wait for it, then end
+                    ok = False
                     ob = Obligation(f"store {rid}: pickled commit_store answered late, then "
                                     "end its session",
                                     time.monotonic() + s.write_ttl_s + LATE_MARGIN_S)
                     ob.settler = self._late_commits(ob, ch, commits[i:], rid)
                     s.late.adopt(ch, ob)
-                    raise
+                    logger.warning("commit_store of %s got no reply in time; verifying by "
+                                   "lookup", rid)
+                    break
                 except KVCacheSDKError as err:
                     ok = False
                     logger.warning("commit_store failed: %s", err)
@@ -347,7 +362,7 @@ class StoreFlow:
                     builder.release(b)
             if not ch.retired:
                 s.end_session(ch, rid)
-        k1 = self._settled_prefix(ch, toks, salt, n)
+        k1 = self._settled_prefix(self._after(ch), toks, salt, n)
         present = min(k1, n)
         written = max(0, present - k0)
         if not ok:
