@@ -135,9 +135,11 @@ class RetrieveFlow:
                     if hint_key is not None and slots and not resps[r].data:
                         todo_r, k_ok, k_redo = self._hints.reconcile(hint_key, r, slots, early, n)
                         kept, redone = min(kept, k_ok), max(redone, k_redo)
-                        if todo_r is None:  # all read while the reply was on its way:
-                            # still refuse a reply that does not fit the mapping (now)
-                            self._regions(resps[r], n, "prepare_retrieve")
+                        if todo_r is None:  # all read while the reply was on its way;
+                            # its slots equal the hint's, validated then: refuse them
+                            # still if they no longer fit the mapping (a shrunk segment)
+                            assert s.shm is not None
+                            s.shm.check_mapped(slots, s.geom, "prepare_retrieve")
                             continue
                         todo = todo_r
                     else:
