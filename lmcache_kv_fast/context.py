@@ -3,9 +3,11 @@
 :class:`LMCacheKVCacheContext` checks the arguments of every call
 (``lmcache_kv_fast/validation.py``) and hands the call to the module of its concern:
 
-* ``client/handshake.py`` connects (``/config``, ``/version``, ``noop``, ``/status``,
-  registration); ``client/session.py`` holds the shared state, guards every operation and
-  tears down; ``client/liveness.py`` runs the background thread (pings, acknowledgements).
+* ``client/handshake.py`` connects (``/config``, ``/version``, ``noop``, ``/status``, the
+  reader and writer registrations); ``client/session.py`` holds the shared state, guards
+  every operation and tears down; ``client/liveness.py`` runs the background thread
+  (pings, writer refresh, acknowledgements, late replies); ``client/late.py`` finishes
+  what timed-out operations left on the server (``docs/guarantees.md``).
 * ``client/lookup.py``: ``lookup`` → ``wait_prefetch_status`` (read-locks the hit prefix).
 * ``client/retrieve.py``: lookup → ``prepare_retrieve`` (one per shard) → gather →
   ``commit_retrieve`` → ``end_session``, the last two sent without waiting for their

@@ -275,10 +275,14 @@ class StoreFlow:
                     resps: list[PrepareStoreResponse | None]) -> Settler:
         """Settle a store whose ``prepare_store`` timed out (see :meth:`_late_prepare`)."""
         s = self._s
+        # When each shard's reservation was made, at the earliest: a reply the flow got in
+        # time may be much older than the late ones (the server froze in between).
+        reserved_after = [c.sent_at for c in calls]
         try:
             for r, c in enumerate(calls):
                 if resps[r] is None:
                     resps[r] = yield c, PrepareStoreResponse
+                    reserved_after[r] = ob.reply_at
             plans = self._plans(resps, n)
             todo = [p for p in plans if p.idx]
             if not todo:  # nothing was reserved (cached, staged elsewhere, or L1 full)
@@ -290,7 +294,8 @@ class StoreFlow:
                                SNAPSHOT_BUDGET_BYTES)
                 ob.abandoned_reservation = True
             else:
-                self._check_age(ob.reply_at)
+                oldest = min(reserved_after[p.rank] for p in todo)
+                self._check_age(oldest)
 
                 def untimed(fn: Any, t: torch.Tensor, ids: Sequence[int],
                             regions: Sequence[Region], col: int) -> None:
@@ -298,7 +303,7 @@ class StoreFlow:
 
                 for p in todo:
                     self._scatter(snap, p, untimed)
-                self._check_age(ob.reply_at)
+                self._check_age(oldest)
                 commits = [ch.send(Op.COMMIT_STORE, [keys[p.rank], s.writer_id],
                                    raw=[codec.encode(b"")]) for p in todo]
                 for c in commits:
