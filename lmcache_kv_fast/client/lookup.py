@@ -111,11 +111,13 @@ def _late_lookup(s: Session, ch: Channel, key: IPCCacheServerKey, rid: str,
         except ProtocolError:
             result = 0
         c_wait = None
-    # Releases what the session recorded as locked (nothing on a miss); before the end.
-    try:
-        yield ch.send(Op.FREE_LOOKUP_LOCKS, [key, s.world_size]), None
-    except ProtocolError:
-        pass
+    if result:  # releases exactly what the session recorded as locked; before the end
+        try:
+            yield ch.send(Op.FREE_LOOKUP_LOCKS, [key, s.world_size]), None
+        except ProtocolError:
+            pass
+    # (A miss locked nothing: no free, which a restarted server that does not know the
+    # model would not even answer, having created the session it raises in.)
     s.end_session(ch, rid)
 
 
