@@ -85,7 +85,8 @@ class Obligation:
         self.waiting: Step | None = None
         #: Lower bound of the arrival time of the last reply handed to the settler.
         self.reply_at = 0.0
-        #: When its socket was last found without the awaited reply.
+        #: When its socket was last found without the awaited reply (create the obligation
+        #: right when the operation's wait gave up).
         self.polled_at = time.monotonic()
         #: Set by the settler when a reservation may stay unfilled on the server for good.
         self.abandoned_reservation = False
@@ -143,7 +144,6 @@ class LateReplies:
         driver touches ``ch`` (the lock below is the hand-off).
         """
         ch.client.retire(ch)
-        ob.polled_at = time.monotonic()  # the operation's wait just found no reply
         self._step(ch, ob, None, first=True)
         with self._lock:
             if ob.waiting is None and not ch.unacked:

@@ -262,11 +262,15 @@ class StoreFlow:
         end = n * s.chunk_size
         view = src.narrow(2, 0, end)
         nbytes = view.numel() * view.element_size()
-        snap = view.clone() if s.late.take_snapshot_budget(nbytes) else None
-        ob = Obligation(f"store {rid} of {n} chunks: prepare_store answered late"
-                        + ("" if snap is not None else " (no snapshot: over budget)"),
+        # Created first: a reply arriving while the KV is cloned counts from now.
+        ob = Obligation(f"store {rid} of {n} chunks: prepare_store answered late",
                         time.monotonic() + s.write_ttl_s + LATE_MARGIN_S, key=same_key,
-                        pins_writer=True, snapshot_bytes=nbytes if snap is not None else 0)
+                        pins_writer=True)
+        snap = view.clone() if s.late.take_snapshot_budget(nbytes) else None
+        if snap is not None:
+            ob.snapshot_bytes = nbytes
+        else:
+            ob.what += " (no snapshot: over budget)"
         ob.settler = self._late_store(ob, ch, snap, n, keys, rid, calls, list(resps))
         s.late.adopt(ch, ob)
 
