@@ -17,7 +17,6 @@ from __future__ import annotations
 import contextlib
 import itertools
 import logging
-import secrets
 import threading
 import time
 import weakref
@@ -27,13 +26,16 @@ from typing import Any
 
 import torch
 
+from lmcache_kv_fast.client.engine_kv import EngineKVCopy
+from lmcache_kv_fast.client.engine_kv import active as engine_active
 from lmcache_kv_fast.client.handshake import CONNECT_PROBE_TIMEOUT_S
+from lmcache_kv_fast.client.instances import new_instance_id, release_instance_id
 from lmcache_kv_fast.client.liveness import Background
 from lmcache_kv_fast.copy import ChunkGeometry, Region, backend
 from lmcache_kv_fast.dataplane.shm import ShmPlane
 from lmcache_kv_fast.errors import ContextClosedError, KVCacheSDKError, ServerTimeoutError
-from lmcache_kv_fast.layout import KVLayout
-from lmcache_kv_fast.protocol.constants import INSTANCE_ID_BITS, SDK_NUM_KV_READERS
+from lmcache_kv_fast.layout import CpuEngineKV, KVLayout
+from lmcache_kv_fast.protocol.constants import SDK_NUM_KV_READERS
 from lmcache_kv_fast.protocol.ops import Generation, Op
 from lmcache_kv_fast.protocol.types import IPCCacheServerKey
 from lmcache_kv_fast.results import OpTiming
@@ -77,6 +79,12 @@ class Session:
     dtype: torch.dtype
     #: Shape of the engine-driven object the server allocates per chunk (doc §3.1).
     object_shape: tuple[int, ...]
+    #: A CPU engine's raw rows <-> per-token K/V (set by the handshake through
+    #: client/engine_kv.py); None: the objects are what the caller reads and writes.
+    engine_kv: CpuEngineKV | None = None
+    #: The per-token layout of a CPU engine's model (with ``engine_kv``).
+    token_layout: KVLayout | None = None
+    _engine_copy: EngineKVCopy | None = None
 
     def __init__(self, url: str, http_url: str, model_name: str, timeout: float,
                  owner: object) -> None:
@@ -103,7 +111,7 @@ class Session:
         self.http_url = http_url
         self.model_name = model_name
         self.timeout = timeout
-        self.instance_id = secrets.randbits(INSTANCE_ID_BITS) or 1
+        self.instance_id = new_instance_id()  # client/instances.py: this process's own ids
         self.background = Background(self, weakref.ref(owner))
         self.backend: ModuleType = backend()
 
@@ -130,6 +138,14 @@ class Session:
         if lay.planes == 1:
             return (lay.num_layers, tokens, lay.hidden_size)
         return (2, lay.num_layers, tokens, lay.hidden_size)
+
+    def engine_copy(self) -> EngineKVCopy | None:
+        """The per-token chunk converter of a CPU engine's KV (None without ``engine_kv``)."""
+        if self.engine_kv is None:
+            return None
+        if self._engine_copy is None:
+            self._engine_copy = EngineKVCopy(self.engine_kv, self.geom, self.backend.gather)
+        return self._engine_copy
 
     # ------------------------------------------------------------------ one operation
     @contextlib.contextmanager
@@ -262,14 +278,20 @@ class Session:
         """Run a backend scatter / gather, adding its time to this call's OpTiming."""
         t0 = time.perf_counter()
         try:
-            fn(t, self.geom, chunk_ids, regions, col_offset)
+            conv = engine_active(self)  # a per-token call of a CPU engine's KV
+            if conv is None:
+                fn(t, self.geom, chunk_ids, regions, col_offset)
+            else:
+                conv.copy(fn, t, chunk_ids, regions)
         finally:
             self.tls.copy_s += time.perf_counter() - t0
 
     def alloc_result(self, tokens: int) -> torch.Tensor:
         """Allocate a retrieve's result of ``tokens`` tokens, timed as this call's alloc_s."""
         ta = time.perf_counter()
-        dst = self.backend.alloc_result(self.kv_shape(tokens), self.dtype)
+        conv = engine_active(self)
+        shape = self.kv_shape(tokens) if conv is None else conv.kv_shape(tokens)
+        dst = self.backend.alloc_result(shape, self.dtype)
         self.tls.alloc_s = time.perf_counter() - ta
         return dst
 
@@ -373,3 +395,4 @@ class Session:
                 self.shm.close()
         self.closing = True
         self.closed = True
+        release_instance_id(self.instance_id)

@@ -51,12 +51,13 @@ from lmcache_kv_fast.layout.engine_resolve import (
     resolve_engine_layout,
 )
 from lmcache_kv_fast.layout.formats import FORMATS, EngineKVFormat, FormatSpec, get_format
-from lmcache_kv_fast.layout.hf_config import (
-    ModelConfigNotFoundError,
+from lmcache_kv_fast.layout.hf_config import ModelConfigNotFoundError, load_hf_config
+from lmcache_kv_fast.layout.kvlayout import (
+    SUPPORTED_DTYPES,
+    KVLayout,
     layout_from_hf_config,
-    load_hf_config,
+    normalize_dtype,
 )
-from lmcache_kv_fast.layout.kvlayout import SUPPORTED_DTYPES, KVLayout, normalize_dtype
 
 __all__ = [
     "EXCLUDED_ENGINE_GROUP",

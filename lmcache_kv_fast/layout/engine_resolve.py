@@ -32,8 +32,7 @@ import torch
 
 from lmcache_kv_fast.errors import KVCacheSDKError
 from lmcache_kv_fast.layout.cpu_engine import CpuEngineKV, select_cpu_kernel
-from lmcache_kv_fast.layout.hf_config import layout_from_hf_config
-from lmcache_kv_fast.layout.kvlayout import KVLayout
+from lmcache_kv_fast.layout.kvlayout import KVLayout, layout_from_hf_config
 
 __all__ = ["EngineLayoutUnresolvedError", "EngineResolution", "resolve_engine_layout"]
 

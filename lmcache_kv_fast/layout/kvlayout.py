@@ -24,7 +24,7 @@ from lmcache_kv_fast.errors import InvalidArgumentError, InvalidTypeError, KVCac
 if TYPE_CHECKING:
     from lmcache_kv_fast.layout.decode import DecodedEntry
 
-__all__ = ["SUPPORTED_DTYPES", "KVLayout", "normalize_dtype"]
+__all__ = ["SUPPORTED_DTYPES", "KVLayout", "layout_from_hf_config", "normalize_dtype"]
 
 logger = logging.getLogger(__name__)
 
@@ -273,7 +273,7 @@ class KVLayout:
                        dtype: torch.dtype | str | None = None, block_size: int = 16) -> KVLayout:
         """Build the layout from a Hugging Face model configuration.
 
-        See :func:`~lmcache_kv_fast.layout.hf_config.layout_from_hf_config`: reads
+        See :func:`layout_from_hf_config`: reads
         ``num_hidden_layers``, ``num_key_value_heads``, ``head_dim`` (or ``hidden_size /
         num_attention_heads``) and ``dtype``/``torch_dtype``; MLA models give the
         single-plane latent layout; hybrid models are refused.
@@ -298,8 +298,6 @@ class KVLayout:
             (2, 2, 256, 128)
 
         """
-        from lmcache_kv_fast.layout.hf_config import layout_from_hf_config
-
         return layout_from_hf_config(config, dtype=dtype, block_size=block_size)
 
     @classmethod
@@ -367,3 +365,42 @@ class KVLayout:
             block_size=chunk.block_size,
             mla=False,
         )
+
+
+def layout_from_hf_config(config: str | os.PathLike[str] | Mapping[str, Any], *,
+                          dtype: torch.dtype | str | None = None, block_size: int = 16,
+                          ) -> KVLayout:
+    """KV layout of a model from its Hugging Face configuration.
+
+    Reads ``num_hidden_layers``, ``num_key_value_heads`` (default
+    ``num_attention_heads``), ``head_dim`` (default ``hidden_size //
+    num_attention_heads``) and ``dtype``/``torch_dtype``, from ``text_config`` for
+    multimodal models (:func:`~lmcache_kv_fast.layout.hf_config.hf_kv_geometry`). MLA
+    models (DeepSeek-V2/V3 style: ``kv_lora_rank``) give a single-plane layout of width
+    ``kv_lora_rank + qk_rope_head_dim``, which is what vLLM caches for them. Hybrid models
+    (``layer_types`` with non-attention layers) are refused.
+
+    Args:
+        config: A model directory, its ``config.json``, a Hugging Face id in the local
+            cache, or the configuration as a mapping.
+        dtype: KV dtype; overrides the configuration's (pass it when the engine runs with
+            another ``--dtype`` than the checkpoint's, or the config has none).
+        block_size: Engine tokens per block (from ``/status`` or the engine's flags).
+
+    Returns:
+        The layout of the whole model (all KV heads).
+
+    Raises:
+        ModelConfigNotFoundError: The configuration cannot be found.
+        KVCacheSDKError: A field is missing or invalid, the model is hybrid, or no dtype is
+            known (the message names the field or what to pass).
+        InvalidArgumentError: ``dtype`` or ``block_size`` is invalid.
+    """
+    from lmcache_kv_fast.layout.hf_config import hf_kv_geometry
+
+    geo = hf_kv_geometry(config, dtype=dtype)
+    try:
+        return KVLayout(block_size=block_size, **geo)
+    except InvalidArgumentError as err:
+        where = f" of {config!r}" if isinstance(config, str | os.PathLike) else ""
+        raise InvalidArgumentError(f"model configuration{where}: {err}") from err
