@@ -312,10 +312,13 @@ class CpuEngineKV:
 
     @staticmethod
     def _pair(raw_view: torch.Tensor, kv_view: torch.Tensor, to_raw: bool) -> None:
+        # the native tiled permutation copy (copy/strided.py), torch's copy_ without it
+        from lmcache_kv_fast.copy.strided import copy_view
+
         if to_raw:
-            raw_view.copy_(kv_view)
+            copy_view(raw_view, kv_view)
         else:
-            kv_view.copy_(raw_view)
+            copy_view(kv_view, raw_view)
 
     def _order(self, digits: list[_Digit]) -> tuple[list[_Digit], list[_Digit]]:
         return [g for g in digits if g.axis == "t"], [g for g in digits if g.axis == "d"]
