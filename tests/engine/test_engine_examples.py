@@ -25,7 +25,7 @@ def test_engine_token_dropping_example(caplog, engine_server, offline_engine):
     """The example's workflow on the shared engine (./scripts/run.sh runs it with its own)."""
     with caplog.at_level(logging.INFO, logger="engine_token_dropping"):
         assert _load("engine_token_dropping").run(prompts=2, tokens=600, decode_tokens=2,
-                                                  seed=80, server=engine_server,
+                                                  seed=8080, server=engine_server,
                                                   engine=offline_engine)
     text = caplog.text
     # 600 tokens: 512 cached; 461 kept after dropping every 10th; 256 stored (1 chunk)

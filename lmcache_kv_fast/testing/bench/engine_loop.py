@@ -251,7 +251,7 @@ def _connect_upstream(url: str, http_url: str, model: str, cpu: Any) -> Any:
 
 # ---------------------------------------------------------------------------- the loop
 def _prompts(s: W5Sizes, seed: int) -> list[list[int]]:
-    rng = random.Random(seed)
+    rng = random.Random(f"W5-{seed}")  # not an int seed: other users of the engine use those
     return [[rng.randrange(3, 1024) for _ in range(s.tokens)] for _ in range(s.prompts)]
 
 
