@@ -24,6 +24,7 @@
 #include "kv_copy.hpp"
 #include "result_buffer.hpp"
 #include "shm_mapping.hpp"
+#include "strided_copy.hpp"
 #include "thread_pool.hpp"
 #include "uffd_fill.hpp"
 
@@ -526,6 +527,24 @@ PYBIND11_MODULE(_native, m) {
         "Parallel copy of n bytes between raw addresses (benchmark roofline helper, not "
         "used by the SDK). Refuses null, overlapping or unmapped ranges; otherwise "
         "UNCHECKED: the caller guarantees both ranges belong to live, writable buffers.");
+  m.def(
+      "strided_copy",
+      [](py::handle dst, py::handle dst_nbytes, py::handle dst_offset, py::handle src,
+         py::handle src_nbytes, py::handle src_offset, py::handle itemsize, py::handle sizes,
+         py::handle dst_strides, py::handle src_strides) {
+        const StridedPlan plan = plan_strided_copy(
+            field(dst, "dst"), field(dst_nbytes, "dst_nbytes"), field(dst_offset, "dst_offset"),
+            field(src, "src"), field(src_nbytes, "src_nbytes"), field(src_offset, "src_offset"),
+            field(itemsize, "itemsize"), to_i64_vector(sizes, "sizes"),
+            to_i64_vector(dst_strides, "dst_strides"), to_i64_vector(src_strides, "src_strides"));
+        py::gil_scoped_release nogil;
+        execute_strided_copy(plan);
+      },
+      "dst"_a, "dst_nbytes"_a, "dst_offset"_a, "src"_a, "src_nbytes"_a, "src_offset"_a,
+      "itemsize"_a, "sizes"_a, "dst_strides"_a, "src_strides"_a,
+      "Copy the strided view (src + src_offset elements, src_strides) into the view of dst "
+      "(same sizes; element strides/offsets); every element of both views is checked to lie "
+      "in its buffer [addr, addr + nbytes), and the buffers must not overlap.");
 
   m.def("set_threads", &set_threads, "n"_a);
   m.def("get_threads", &get_threads);

@@ -233,3 +233,19 @@ def result_pool_trim() -> None:
 
 def validate_segment_name(name: str) -> str:
     """Return the bare name or raise ValueError."""
+
+def strided_copy(dst: int, dst_nbytes: int, dst_offset: int, src: int, src_nbytes: int,
+                 src_offset: int, itemsize: int, sizes: Sequence[int],
+                 dst_strides: Sequence[int], src_strides: Sequence[int]) -> None:
+    """Copy an N-d strided view of ``src`` into one of ``dst`` (a permutation copy).
+
+    Views: the buffer at ``dst`` / ``src`` of ``*_nbytes`` bytes, starting ``*_offset``
+    elements in, with per-dimension element ``*_strides`` over ``sizes``. Tiled over the
+    dimension with the smallest destination stride and the one with the smallest source
+    stride; runs on the copy pool with the GIL released.
+
+    Raises:
+        ValueError: A negative size/stride/offset, a view reaching outside its buffer,
+            overlapping buffers, a destination writing one element twice, or more than 16
+            dimensions.
+    """

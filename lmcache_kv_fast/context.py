@@ -32,6 +32,7 @@ from typing import Any
 
 import torch
 
+from lmcache_kv_fast.client.engine_kv import EngineOptions, per_token
 from lmcache_kv_fast.client.handshake import CONNECT_PROBE_TIMEOUT_S, handshake
 from lmcache_kv_fast.client.liveness import RELEASE_COLLECT_S, RELEASE_IDLE_CHECK_S
 from lmcache_kv_fast.client.lookup import PREFETCH_WAIT_SLICE_S, cached_tokens
@@ -44,8 +45,8 @@ from lmcache_kv_fast.client.session import (
 )
 from lmcache_kv_fast.client.store import SETTLE_DELAYS_S, StoreFlow
 from lmcache_kv_fast.copy.select import usable_cores
-from lmcache_kv_fast.errors import InvalidArgumentError
-from lmcache_kv_fast.layout import KVLayout
+from lmcache_kv_fast.errors import InvalidArgumentError, InvalidTypeError
+from lmcache_kv_fast.layout import CpuEngineKV, KVLayout
 from lmcache_kv_fast.protocol.ops import Generation
 from lmcache_kv_fast.results import OpTiming, StoreResult
 from lmcache_kv_fast.validation import (
@@ -76,6 +77,12 @@ __all__ = [
 ]
 
 
+def _check_raw(raw: Any) -> bool:
+    if not isinstance(raw, bool):
+        raise InvalidTypeError(f"raw must be a bool, got {type(raw).__name__}")
+    return raw
+
+
 def _settable(path: str) -> property:
     """A property reading and writing ``self.<owner>.<name>`` (``path`` = "owner.name")."""
     owner, name = path.split(".")
@@ -100,9 +107,18 @@ class LMCacheKVCacheContext:
         http_url: HTTP URL of the server, ``http://host:port``.
         model_name: Model name the KV is stored under.
         timeout: Seconds every server call may take.
-        layout: Explicit model geometry; when None it is read from the vLLM registration
-            in ``/status`` (like the upstream SDK).
+        layout: Explicit model geometry (of the server's objects, moved as they are); when
+            None it is read from the vLLM registration in ``/status`` (like the upstream
+            SDK), or, for an engine-driven (CPU) vLLM engine, derived from its
+            registration and the model's configuration (docs/engine-kv-layout.md).
         world_size: Tensor-parallel KV shards (with ``layout``; else from ``/status``).
+        model_config: A CPU engine's model configuration: its directory, ``config.json``,
+            a Hugging Face id in the local cache, or a dict (default: the model name).
+        block_size: A CPU engine's vLLM block size (picks among disagreeing
+            registrations, or describes an engine that is not registered any more).
+        dtype: A CPU engine's KV dtype when it differs from the configuration's.
+        kernel: A CPU engine's attention kernel (``"vec"``, ``"vec16"``, ``"amx"``) when
+            it runs on another machine (default: vLLM's choice on this one).
         copy_threads: Threads of the native copy pool (None: env or usable cores).
         heartbeat: Ping the server so it never reaps this live client (doc §3.11).
         read_hints: Copy a retrieved prefix from where it lay last time until the server's
@@ -125,8 +141,13 @@ class LMCacheKVCacheContext:
         copy_threads: int | None = None,
         heartbeat: bool = True,
         read_hints: bool = True,
+        model_config: Any = None,
+        block_size: int | None = None,
+        dtype: torch.dtype | str | None = None,
+        kernel: str | None = None,
     ) -> None:
         check_connect_args(url, http_url, model_name, timeout, world_size, copy_threads)
+        engine = EngineOptions(model_config, block_size, dtype, kernel)
         s = self._session = Session(url, http_url.rstrip("/"), model_name, float(timeout))
         self._hints = ReadHints(s, bool(read_hints))
         self._retrieval = RetrieveFlow(s, self._hints)
@@ -134,7 +155,7 @@ class LMCacheKVCacheContext:
         try:
             if copy_threads is not None:
                 s.backend.set_threads(copy_threads)
-            handshake(s, layout, world_size)
+            handshake(s, layout, world_size, engine)
             if heartbeat:
                 s.background.start_heartbeat()
         except BaseException:
@@ -206,8 +227,27 @@ class LMCacheKVCacheContext:
 
     @property
     def layout(self) -> KVLayout:
-        """Geometry of the model's KV."""
+        """Geometry of the model's KV as ``retrieve`` / ``store`` take it by default.
+
+        For a CPU engine (:attr:`engine_kv`) the per-token two-plane layout; the server's
+        objects are :attr:`raw_layout`.
+        """
+        s = self._session
+        return s.token_layout if s.engine_kv is not None and s.token_layout else s.layout
+
+    @property
+    def raw_layout(self) -> KVLayout:
+        """Geometry of the server's objects (what ``raw=True`` moves; registered)."""
         return self._session.layout
+
+    @property
+    def engine_kv(self) -> CpuEngineKV | None:
+        """The CPU engine's KV converter (raw rows <-> per-token K/V), or None.
+
+        Set when ``connect()`` resolved an engine-driven CPU engine's geometry; then
+        ``retrieve`` / ``store`` convert unless called with ``raw=True``.
+        """
+        return self._session.engine_kv
 
     @property
     def world_size(self) -> int:
@@ -230,9 +270,15 @@ class LMCacheKVCacheContext:
         """Dtype of the KV tensors."""
         return self._session.dtype
 
-    def kv_shape(self, tokens: int) -> tuple[int, ...]:
-        """Shape of the KV tensor of ``tokens`` tokens: ``[2, L, T, D]`` or ``[L, T, D]``."""
-        return self._session.kv_shape(tokens)
+    def kv_shape(self, tokens: int, *, raw: bool = False) -> tuple[int, ...]:
+        """Shape of the KV tensor of ``tokens`` tokens: ``[2, L, T, D]`` or ``[L, T, D]``.
+
+        With ``raw`` (CPU engine) the shape of the engine's rows ``[L, T, NH*2*HS]``.
+        """
+        s = self._session
+        if not _check_raw(raw) and s.engine_kv is not None:
+            return s.engine_kv.token_layout.tensor_shape(tokens)
+        return s.kv_shape(tokens)
 
     @property
     def last_timing(self) -> OpTiming | None:
@@ -270,18 +316,26 @@ class LMCacheKVCacheContext:
 
     def retrieve(self, tokens: Sequence[int], cache_salt: str = "", *,
                  out: torch.Tensor | None = None,
-                 request_configs: dict[str, Any] | None = None) -> torch.Tensor | None:
+                 request_configs: dict[str, Any] | None = None,
+                 raw: bool = False) -> torch.Tensor | None:
         """Retrieve the KV of the cached prefix of ``tokens``.
+
+        For a CPU engine (:attr:`engine_kv`) the result is the per-token K/V
+        ``[2, L, hit, NH*HS]``, converted from the engine's rows on the way out of the
+        server's memory; ``raw=True`` gives the engine's rows ``[L, hit, NH*2*HS]`` as the
+        server holds them (bit-exact copies).
 
         Args:
             tokens: Token ids from position 0 (a trailing partial chunk is ignored).
             cache_salt: Per-tenant isolation salt.
             request_configs: Free-form per-request metadata passed through in the keys.
             out: Optional contiguous CPU tensor of the model's dtype, shaped
-                ``[2, L, >=T, D]`` (``[L, >=T, D]`` for single-plane models), to write into;
+                ``[2, L, >=T, D]`` (``[L, >=T, D]`` for single-plane models and raw CPU
+                engine rows; ``ctx.kv_shape(T, raw=raw)``), to write into;
                 the result is then ``out[..., :hit, :]``. Its content beyond the hit, on a
                 miss or when the call raises is unspecified (read hints may have filled it
                 from the prefix's last known chunks; never from unvalidated slots).
+            raw: A CPU engine's rows as they are (no conversion).
 
         Returns:
             A contiguous ``[2, L, hit, D]`` tensor (``[L, hit, D]`` for single-plane
@@ -293,15 +347,17 @@ class LMCacheKVCacheContext:
         toks = normalize_tokens(tokens)
         salt = check_salt(cache_salt)
         n_tok = len(toks) // s.chunk_size * s.chunk_size
+        tok = not _check_raw(raw) and s.engine_kv is not None
         if out is not None:
-            out = check_out(out, n_tok, s.layout, s.dtype)
+            out = check_out(out, n_tok, self.layout if tok else s.layout, s.dtype)
         if n_tok == 0:
             return None
         rc = check_request_configs(request_configs)
-        return self._retrieval.retrieve(toks[:n_tok], salt, out, rc, t0)
+        with per_token(s, tok):
+            return self._retrieval.retrieve(toks[:n_tok], salt, out, rc, t0)
 
     def store(self, kv: torch.Tensor, tokens: Sequence[int], cache_salt: str = "", *,
-              request_configs: dict[str, Any] | None = None) -> bool:
+              request_configs: dict[str, Any] | None = None, raw: bool = False) -> bool:
         """Store ``kv`` under ``tokens``.
 
         ``len(tokens)`` must equal the tensor's token dimension; both are truncated to
@@ -309,19 +365,23 @@ class LMCacheKVCacheContext:
 
         Args:
             kv: ``[2, L, T, D]`` (``[L, T, D]`` or ``[1, L, T, D]`` for single-plane
-                models) of the model's dtype.
+                models) of the model's dtype. For a CPU engine the per-token K/V, written
+                back in the engine's order (whole chunks); with ``raw`` the engine's rows.
             tokens: The ``T`` token ids.
             cache_salt: Per-tenant isolation salt.
             request_configs: Free-form per-request metadata passed through in the keys.
+            raw: ``kv`` is a CPU engine's rows ``[L, T, NH*2*HS]`` (stored as they are).
 
         Returns:
             True exactly when every whole chunk is in the cache after the call (written now
             or already there); False when nothing whole was given or some chunk was refused.
         """
-        return self.store_ex(kv, tokens, cache_salt, request_configs=request_configs).ok
+        return self.store_ex(kv, tokens, cache_salt, request_configs=request_configs,
+                             raw=raw).ok
 
     def store_ex(self, kv: torch.Tensor, tokens: Sequence[int], cache_salt: str = "", *,
-                 request_configs: dict[str, Any] | None = None) -> StoreResult:
+                 request_configs: dict[str, Any] | None = None,
+                 raw: bool = False) -> StoreResult:
         """Store like :meth:`store` and say what happened to every chunk.
 
         Returns:
@@ -330,7 +390,8 @@ class LMCacheKVCacheContext:
         t0 = time.perf_counter()
         s = self._session
         s.check_process()
-        src = check_kv(kv, s.layout, s.dtype)
+        tok = not _check_raw(raw) and s.engine_kv is not None
+        src = check_kv(kv, self.layout if tok else s.layout, s.dtype)
         toks = normalize_tokens(tokens)
         salt = check_salt(cache_salt)
         t = src.shape[2]
@@ -344,7 +405,8 @@ class LMCacheKVCacheContext:
             return StoreResult(0, 0, 0, 0, 0)
         toks = toks[: n * s.chunk_size]
         rc = check_request_configs(request_configs)
-        result = self._storing.store(src, toks, salt, n, rc, t0)
+        with per_token(s, tok):
+            result = self._storing.store(src, toks, salt, n, rc, t0)
         # SDK stores produce no `stored` KV events on the server (doc §11 #21): announce them
         # to local listeners. Nobody can listen unless the events module was imported.
         ev = sys.modules.get("lmcache_kv_fast.events")

@@ -13,6 +13,9 @@ import logging
 import threading
 from typing import Any
 
+from lmcache_kv_fast.client.engine_kv import EngineOptions
+from lmcache_kv_fast.client.engine_kv import resolve_layout as resolve_engine_layout
+from lmcache_kv_fast.client.instances import release_instance_id
 from lmcache_kv_fast.client.state import SessionState
 from lmcache_kv_fast.dataplane.shm import ShmPlane
 from lmcache_kv_fast.errors import (
@@ -44,8 +47,13 @@ _warned_servers: set[str] = set()
 _warned_lock = threading.Lock()
 
 
-def handshake(s: SessionState, layout: KVLayout | None, world_size: int | None) -> None:
+def handshake(s: SessionState, layout: KVLayout | None, world_size: int | None,
+              engine: EngineOptions | None = None) -> None:
     """Connect ``s`` to its server and register it; fills the session's server fields.
+
+    Without ``layout`` and without a vLLM registration of the model, the geometry of an
+    engine-driven (CPU) engine is derived from ``/status`` and the model's configuration
+    (``client/engine_kv.py``; ``engine``: connect's hints for that).
 
     The ZMQ client, the registration and the SHM mapping are recorded on ``s`` as soon as
     they exist, so that ``s.teardown()`` undoes a handshake that failed half-way.
@@ -94,7 +102,7 @@ def handshake(s: SessionState, layout: KVLayout | None, world_size: int | None) 
             f"another dialect than {gen.name}" + (" (newer, unverified)" if verify else "")
         )
 
-    layout, ws = _find_layout(s, http.status(), layout, world_size)
+    layout, ws = _find_layout(s, http.status(), layout, world_size, engine or EngineOptions())
     s.layout = layout
     s.world_size = ws
     s.setup_geometry()
@@ -109,10 +117,11 @@ def handshake(s: SessionState, layout: KVLayout | None, world_size: int | None) 
 
 
 def _find_layout(s: SessionState, status: dict[str, Any], layout: KVLayout | None,
-                 world_size: int | None) -> tuple[KVLayout, int]:
+                 world_size: int | None, engine: EngineOptions) -> tuple[KVLayout, int]:
     """The model's layout and world size.
 
-    From the vLLM registration in ``/status``, or the explicit ones checked against it.
+    From the vLLM registration in ``/status``, or the explicit ones checked against it, or
+    (neither) an engine-driven engine's registration plus the model's configuration.
     """
     entries = find_model_entries(status, s.model_name)
     if layout is not None:
@@ -138,12 +147,10 @@ def _find_layout(s: SessionState, status: dict[str, Any], layout: KVLayout | Non
         known = sorted({e.get("model_name", "?") for e in
                         (status.get("cache_context_meta") or {}).values()
                         if isinstance(e, dict)})
-        raise KVCacheSDKError(
-            f"no registered KV layout for model {s.model_name!r} on "
-            f"{s.http_url} (models with a vLLM registration: {known or 'none'}). "
-            "Start vLLM with LMCache for this model first, or pass the geometry "
-            "explicitly: connect(..., layout=KVLayout(...))"
-        )
+        return resolve_engine_layout(
+            s, status, world_size, engine,
+            f"no registered KV layout for model {s.model_name!r} on {s.http_url}: no vLLM "
+            f"registration (models with one: {known or 'none'})")
     decoded = decode_status_entry(entries[0][1], s.chunk_size)
     decoded.require_single_group()
     layout = KVLayout.from_decoded(decoded)
@@ -188,6 +195,7 @@ def _register(s: SessionState) -> None:
         _register_writer(s, payload)
     else:
         s.transport = "pickle"
+        release_instance_id(s.writer_id)
         s.writer_id = s.instance_id  # nothing is reserved across calls: one registration
 
 

@@ -27,7 +27,6 @@ import contextlib
 import itertools
 import logging
 import os
-import secrets
 import sys
 import threading
 import time
@@ -38,14 +37,17 @@ from typing import Any
 
 import torch
 
+from lmcache_kv_fast.client.engine_kv import EngineKVCopy
+from lmcache_kv_fast.client.engine_kv import active as engine_active
 from lmcache_kv_fast.client.handshake import CONNECT_PROBE_TIMEOUT_S
+from lmcache_kv_fast.client.instances import new_instance_id, release_instance_id
 from lmcache_kv_fast.client.late import SETTLE_LATE_S, LateReplies
 from lmcache_kv_fast.client.liveness import Background
 from lmcache_kv_fast.copy import ChunkGeometry, Region, backend
 from lmcache_kv_fast.dataplane.shm import ShmPlane
 from lmcache_kv_fast.errors import ContextClosedError, KVCacheSDKError, ServerTimeoutError
-from lmcache_kv_fast.layout import KVLayout
-from lmcache_kv_fast.protocol.constants import INSTANCE_ID_BITS, SDK_NUM_KV_READERS
+from lmcache_kv_fast.layout import CpuEngineKV, KVLayout
+from lmcache_kv_fast.protocol.constants import SDK_NUM_KV_READERS
 from lmcache_kv_fast.protocol.ops import Generation, Op
 from lmcache_kv_fast.protocol.types import (
     IPCCacheServerKey,
@@ -117,6 +119,12 @@ class Session:
     read_ttl_s: float = 300.0
     #: The writer's registration payload (re-sent to keep it alive, see liveness.py).
     writer_payload: RegisterEngineDrivenContextPayload | None = None
+    #: A CPU engine's raw rows <-> per-token K/V (set by the handshake through
+    #: client/engine_kv.py); None: the objects are what the caller reads and writes.
+    engine_kv: CpuEngineKV | None = None
+    #: The per-token layout of a CPU engine's model (with ``engine_kv``).
+    token_layout: KVLayout | None = None
+    _engine_copy: EngineKVCopy | None = None
 
     def __init__(self, url: str, http_url: str, model_name: str, timeout: float) -> None:
         #: The process that created the session; its sockets, threads and registration
@@ -135,6 +143,9 @@ class Session:
         self.registered = False
         #: The writer registration exists apart from the reader's (SHM plane).
         self.writer_registered = False
+        #: close() left the writer registered (a reservation may be pending): its id stays
+        #: among this process's own (client/instances.py) for the process's lifetime.
+        self.writer_kept = False
         #: Failed stores that may have left a reservation on the server (never unregister
         #: the writer then; see also ``late.pins_writer()``).
         self.uncommitted = 0
@@ -151,13 +162,9 @@ class Session:
         self.http_url = http_url
         self.model_name = model_name
         self.timeout = timeout
-        self.instance_id = secrets.randbits(INSTANCE_ID_BITS) or 1
+        self.instance_id = new_instance_id()  # client/instances.py: this process's own ids
         #: Registration used by stores only (== instance_id on the pickle plane).
-        self.writer_id = secrets.randbits(INSTANCE_ID_BITS) or 2
-        while self.writer_id == self.instance_id:  # pragma: no cover - 2**-63
-            self.writer_id = secrets.randbits(INSTANCE_ID_BITS) or 2
-        #: Process that created the session (a forked child must not close its sockets).
-        self.pid = os.getpid()
+        self.writer_id = new_instance_id()
         self.background = Background(self)
         #: Obligations of timed-out operations, settled on retired channels.
         self.late = LateReplies(self.background.kick)
@@ -186,6 +193,14 @@ class Session:
         if lay.planes == 1:
             return (lay.num_layers, tokens, lay.hidden_size)
         return (2, lay.num_layers, tokens, lay.hidden_size)
+
+    def engine_copy(self) -> EngineKVCopy | None:
+        """The per-token chunk converter of a CPU engine's KV (None without ``engine_kv``)."""
+        if self.engine_kv is None:
+            return None
+        if self._engine_copy is None:
+            self._engine_copy = EngineKVCopy(self.engine_kv, self.geom, self.backend.gather)
+        return self._engine_copy
 
     # ------------------------------------------------------------------ one operation
     def in_other_process(self) -> bool:
@@ -348,14 +363,20 @@ class Session:
         """Run a backend scatter / gather, adding its time to this call's OpTiming."""
         t0 = time.perf_counter()
         try:
-            fn(t, self.geom, chunk_ids, regions, col_offset)
+            conv = engine_active(self)  # a per-token call of a CPU engine's KV
+            if conv is None:
+                fn(t, self.geom, chunk_ids, regions, col_offset)
+            else:
+                conv.copy(fn, t, chunk_ids, regions)
         finally:
             self.tls.copy_s += time.perf_counter() - t0
 
     def alloc_result(self, tokens: int) -> torch.Tensor:
         """Allocate a retrieve's result of ``tokens`` tokens, timed as this call's alloc_s."""
         ta = time.perf_counter()
-        dst = self.backend.alloc_result(self.kv_shape(tokens), self.dtype)
+        conv = engine_active(self)
+        shape = self.kv_shape(tokens) if conv is None else conv.kv_shape(tokens)
+        dst = self.backend.alloc_result(shape, self.dtype)
         self.tls.alloc_s = time.perf_counter() - ta
         return dst
 
@@ -468,6 +489,9 @@ class Session:
                 self.shm.close()
         self.closing = True
         self.closed = True
+        release_instance_id(self.instance_id)
+        if self.writer_id != self.instance_id and not self.writer_kept:
+            release_instance_id(self.writer_id)
 
     def _unregister(self, zmq_client: ZmqClient, drained: bool) -> None:
         """Unregister the reader, and the writer unless a reservation of it may be pending."""
@@ -476,6 +500,7 @@ class Session:
         if self.writer_registered:
             pinned = self.uncommitted or self.late.pins_writer() or not drained
             if pinned:
+                self.writer_kept = True
                 logger.warning(
                     "not unregistering writer instance %d: a reservation of a failed store "
                     "may still be pending on the server (unregistering would admit its "

@@ -7,13 +7,14 @@ session, so the arrows point one way: ``session`` → ``handshake`` / ``liveness
 
 from __future__ import annotations
 
+import threading
 from types import ModuleType
-from typing import Protocol
+from typing import Any, Protocol
 
 from lmcache_kv_fast.client.late import LateReplies
 from lmcache_kv_fast.copy import ChunkGeometry
 from lmcache_kv_fast.dataplane.shm import ShmPlane
-from lmcache_kv_fast.layout import KVLayout
+from lmcache_kv_fast.layout import CpuEngineKV, KVLayout
 from lmcache_kv_fast.protocol.ops import Generation
 from lmcache_kv_fast.protocol.types import RegisterEngineDrivenContextPayload
 from lmcache_kv_fast.transport.releases import DeferredReleases
@@ -50,6 +51,13 @@ class SessionState(Protocol):
     world_size: int
     geom: ChunkGeometry
     transport: str
+    engine_kv: CpuEngineKV | None
+    token_layout: KVLayout | None
+    #: Per calling thread: the call's request_configs, timings, per-token converter.
+    tls: threading.local
+
+    def engine_copy(self) -> Any:
+        """A CPU engine's per-token chunk converter (``client/engine_kv.EngineKVCopy``) or None."""
 
     def setup_geometry(self) -> None:
         """Derive the chunk geometry from ``layout`` and ``world_size``."""

@@ -215,7 +215,10 @@ class CpuEngineKV:
             raw: The rows as the server holds them (e.g. ``retrieve`` with
                 :attr:`raw_layout`); ``T`` a multiple of ``block_size``. A
                 non-contiguous tensor is copied first.
-            out: Optional contiguous destination of the result's shape and dtype.
+            out: Optional destination of the result's shape and dtype: contiguous, or a
+                slice of a contiguous tensor along the token dimension (e.g.
+                ``kv.narrow(2, start, T)``: its last dimension contiguous, the others
+                non-overlapping).
 
         Returns:
             ``out`` or a new tensor.
@@ -224,7 +227,8 @@ class CpuEngineKV:
             InvalidArgumentError / InvalidTypeError: Wrong shape, dtype or ``T``.
         """
         tokens = self._check(raw, "raw", raw=True)
-        res = self._out(out, (2, self.num_layers, tokens, self.num_kv_heads * self.head_dim))
+        res = self._out(out, (2, self.num_layers, tokens, self.num_kv_heads * self.head_dim),
+                        token_view=True)
         self._move(raw.contiguous(), res, tokens, to_raw=False)
         return res
 
@@ -232,13 +236,15 @@ class CpuEngineKV:
         """Per-token K/V ``[2, L, T, NH*HS]`` -> the engine's raw rows ``[L, T, NH*2*HS]``.
 
         The exact inverse of :meth:`to_tokens` (store the result with :attr:`raw_layout`).
+        ``kv`` may be a token slice of a contiguous tensor (read in place); any other
+        non-contiguous ``kv`` is copied first. ``out``: optional contiguous destination.
 
         Raises:
             InvalidArgumentError / InvalidTypeError: Wrong shape, dtype or ``T``.
         """
         tokens = self._check(kv, "kv", raw=False)
         res = self._out(out, (self.num_layers, tokens, self.num_kv_heads * 2 * self.head_dim))
-        self._move(res, kv.contiguous(), tokens, to_raw=True)
+        self._move(res, kv if _token_view_ok(kv) else kv.contiguous(), tokens, to_raw=True)
         return res
 
     def _check(self, t: Any, name: str, *, raw: bool) -> int:
@@ -263,15 +269,19 @@ class CpuEngineKV:
             )
         return int(tokens)
 
-    def _out(self, out: Any, shape: tuple[int, ...]) -> torch.Tensor:
+    def _out(self, out: Any, shape: tuple[int, ...], *, token_view: bool = False
+             ) -> torch.Tensor:
         if out is None:
             return torch.empty(shape, dtype=self.dtype)
         if not isinstance(out, torch.Tensor):
             raise InvalidTypeError(f"out: expected a torch.Tensor, got {type(out).__name__}")
-        if tuple(out.shape) != shape or out.dtype != self.dtype or not out.is_contiguous():
+        layout_ok = _token_view_ok(out) if token_view else out.is_contiguous()
+        if tuple(out.shape) != shape or out.dtype != self.dtype or not layout_ok or \
+                out.device.type != "cpu":
+            what = "contiguous (or token-sliced)" if token_view else "contiguous"
             raise InvalidArgumentError(
-                f"out: expected a contiguous {list(shape)} {self.dtype} tensor, got "
-                f"{list(out.shape)} {out.dtype} (contiguous={out.is_contiguous()})"
+                f"out: expected a {what} CPU {list(shape)} {self.dtype} tensor, got "
+                f"{list(out.shape)} {out.dtype} on {out.device} (strides {list(out.stride())})"
             )
         return out
 
@@ -302,10 +312,13 @@ class CpuEngineKV:
 
     @staticmethod
     def _pair(raw_view: torch.Tensor, kv_view: torch.Tensor, to_raw: bool) -> None:
+        # the native tiled permutation copy (copy/strided.py), torch's copy_ without it
+        from lmcache_kv_fast.copy.strided import copy_view
+
         if to_raw:
-            raw_view.copy_(kv_view)
+            copy_view(raw_view, kv_view)
         else:
-            kv_view.copy_(raw_view)
+            copy_view(kv_view, raw_view)
 
     def _order(self, digits: list[_Digit]) -> tuple[list[_Digit], list[_Digit]]:
         return [g for g in digits if g.axis == "t"], [g for g in digits if g.axis == "d"]
@@ -333,10 +346,14 @@ class CpuEngineKV:
 
     def _kv_view(self, kv: torch.Tensor, digits: list[_Digit], plane: int,
                  nb: int) -> torch.Tensor:
-        """View of ``kv[plane]`` as ``[L, NB, *t digits, NH, *d digits]``."""
+        """View of ``kv[plane]`` as ``[L, NB, *t digits, NH, *d digits]``.
+
+        ``kv`` is ``[2, L, T, NH*HS]`` with a contiguous last dimension (any plane, layer
+        and token strides: a token slice of a larger tensor works in place).
+        """
         lay, nh, bs, hs = self.num_layers, self.num_kv_heads, self.block_size, self.head_dim
         t_dig, d_dig = self._order(digits)
-        tokens, width = nb * bs, nh * hs
+        s_plane, s_layer, s_tok = kv.stride(0), kv.stride(1), kv.stride(2)
 
         def weights(ds: list[_Digit], unit: int) -> list[int]:
             out, acc = [], unit
@@ -346,9 +363,22 @@ class CpuEngineKV:
             return out[::-1]
 
         sizes = [lay, nb, *(g.size for g in t_dig), nh, *(g.size for g in d_dig)]
-        strides = [tokens * width, bs * width, *weights(t_dig, width), hs, *weights(d_dig, 1)]
+        strides = [s_layer, bs * s_tok, *weights(t_dig, s_tok), hs, *weights(d_dig, 1)]
         assert math.prod(g.size for g in t_dig) == bs and math.prod(g.size for g in d_dig) == hs
-        return kv.as_strided(sizes, strides, kv.storage_offset() + plane * lay * tokens * width)
+        return kv.as_strided(sizes, strides, kv.storage_offset() + plane * s_plane)
+
+
+def _token_view_ok(t: torch.Tensor) -> bool:
+    """Whether a ``[2, L, T, D]`` tensor can be addressed in place by :meth:`CpuEngineKV._kv_view`.
+
+    Contiguous last dimension, and plane / layer / token strides that do not overlap (a
+    contiguous tensor, or one narrowed along its token dimension).
+    """
+    if t.dim() != 4 or t.stride(3) != 1:
+        return False
+    _p, lay, tokens, width = t.shape
+    return (t.stride(2) >= width and t.stride(1) >= max(1, tokens) * t.stride(2)
+            and t.stride(0) >= max(1, lay) * t.stride(1))
 
 
 def raw_rows_from_paged_blocks(blocks: torch.Tensor) -> torch.Tensor:

@@ -5,9 +5,11 @@ world_size, block_size, use_mla`` in ``/status``; layers, heads, head size and d
 to come from the model itself. vLLM registers the model by the string it was started
 with (``model_config.model``): a local directory or a Hugging Face id.
 :func:`load_hf_config` finds that model's ``config.json`` without network access (a
-local directory or file, or the Hugging Face cache), and :func:`kv_geometry_from_hf_config`
-(also :meth:`KVLayout.from_hf_config <lmcache_kv_fast.layout.KVLayout.from_hf_config>`)
-reads the KV geometry out of it.
+local directory or file, or the Hugging Face cache), and :func:`hf_kv_geometry` reads the
+KV geometry out of it (:meth:`KVLayout.from_hf_config
+<lmcache_kv_fast.layout.KVLayout.from_hf_config>` and
+:func:`~lmcache_kv_fast.layout.kvlayout.layout_from_hf_config` make the layout; this
+module does not import ``kvlayout``, so the two never import each other).
 
 Pure file reading; neither ``transformers`` nor ``lmcache`` is imported.
 """
@@ -28,7 +30,7 @@ from lmcache_kv_fast.errors import InvalidTypeError, KVCacheSDKError
 __all__ = [
     "ModelConfigNotFoundError",
     "hf_cache_dirs",
-    "kv_geometry_from_hf_config",
+    "hf_kv_geometry",
     "load_hf_config",
 ]
 
@@ -171,10 +173,9 @@ def _config_dtype(cfg: Mapping[str, Any], outer: Mapping[str, Any]) -> str | Non
     return None
 
 
-def kv_geometry_from_hf_config(config: str | os.PathLike[str] | Mapping[str, Any], *,
-                               dtype: torch.dtype | str | None = None, block_size: int = 16,
-                               ) -> dict[str, Any]:
-    """KV geometry of a model from its Hugging Face configuration, as ``KVLayout`` arguments.
+def hf_kv_geometry(config: str | os.PathLike[str] | Mapping[str, Any], *,
+                   dtype: torch.dtype | str | None = None) -> dict[str, Any]:
+    """KV geometry of a model from its Hugging Face configuration, as ``KVLayout`` fields.
 
     Reads ``num_hidden_layers``, ``num_key_value_heads`` (default
     ``num_attention_heads``), ``head_dim`` (default ``hidden_size //
@@ -187,18 +188,17 @@ def kv_geometry_from_hf_config(config: str | os.PathLike[str] | Mapping[str, Any
         config: See :func:`load_hf_config`.
         dtype: KV dtype; overrides the configuration's (pass it when the engine runs with
             another ``--dtype`` than the checkpoint's, or the config has none).
-        block_size: Engine tokens per block (from ``/status`` or the engine's flags).
 
     Returns:
-        The keyword arguments of a :class:`~lmcache_kv_fast.layout.KVLayout` of the whole
-        model (all KV heads); :meth:`KVLayout.from_hf_config` builds it (this module does
-        not import ``kvlayout``, which imports it).
+        ``num_layers``, ``num_kv_heads``, ``head_dim``, ``dtype`` (unvalidated) and ``mla``
+        of the whole model (all KV heads): the arguments of
+        :class:`~lmcache_kv_fast.layout.KVLayout` but ``block_size``
+        (:func:`~lmcache_kv_fast.layout.kvlayout.layout_from_hf_config` builds the layout).
 
     Raises:
         ModelConfigNotFoundError: The configuration cannot be found.
         KVCacheSDKError: A field is missing or invalid, the model is hybrid, or no dtype is
             known (the message names the field or what to pass).
-        InvalidArgumentError: ``dtype`` or ``block_size`` is invalid.
     """
     outer = load_hf_config(config)
     cfg = _text_config(outer)
@@ -221,8 +221,8 @@ def kv_geometry_from_hf_config(config: str | os.PathLike[str] | Mapping[str, Any
             )
     if cfg.get("kv_lora_rank"):
         width = _pos_int(cfg, "kv_lora_rank", where) + int(cfg.get("qk_rope_head_dim") or 0)
-        return {"num_layers": num_layers, "num_kv_heads": 1, "head_dim": width, "dtype": dtype,
-                "block_size": block_size, "mla": True, "where": where}
+        return {"num_layers": num_layers, "num_kv_heads": 1, "head_dim": width,
+                "dtype": dtype, "mla": True}
     heads = _pos_int(cfg, "num_attention_heads", where)
     kv_heads = cfg.get("num_key_value_heads")
     kv_heads = heads if kv_heads is None else _pos_int(cfg, "num_key_value_heads", where)
@@ -238,4 +238,4 @@ def kv_geometry_from_hf_config(config: str | os.PathLike[str] | Mapping[str, Any
     else:
         head_dim = _pos_int(cfg, "head_dim", where)
     return {"num_layers": num_layers, "num_kv_heads": kv_heads, "head_dim": head_dim,
-            "dtype": dtype, "block_size": block_size, "where": where}
+            "dtype": dtype, "mla": False}

@@ -20,7 +20,6 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from lmcache_kv_fast.errors import InvalidArgumentError, InvalidTypeError, KVCacheSDKError
-from lmcache_kv_fast.layout.hf_config import kv_geometry_from_hf_config
 
 if TYPE_CHECKING:
     from lmcache_kv_fast.layout.decode import DecodedEntry
@@ -274,7 +273,7 @@ class KVLayout:
                        dtype: torch.dtype | str | None = None, block_size: int = 16) -> KVLayout:
         """Build the layout from a Hugging Face model configuration.
 
-        See :func:`~lmcache_kv_fast.layout.hf_config.kv_geometry_from_hf_config`: reads
+        See :func:`layout_from_hf_config`: reads
         ``num_hidden_layers``, ``num_key_value_heads``, ``head_dim`` (or ``hidden_size /
         num_attention_heads``) and ``dtype``/``torch_dtype``; MLA models give the
         single-plane latent layout; hybrid models are refused.
@@ -299,12 +298,7 @@ class KVLayout:
             (2, 2, 256, 128)
 
         """
-        kw = kv_geometry_from_hf_config(config, dtype=dtype, block_size=block_size)
-        where = kw.pop("where")
-        try:
-            return cls(**kw)
-        except InvalidArgumentError as err:
-            raise InvalidArgumentError(f"model configuration{where}: {err}") from err
+        return layout_from_hf_config(config, dtype=dtype, block_size=block_size)
 
     @classmethod
     def from_decoded(cls, entry: DecodedEntry, world_size: int | None = None) -> KVLayout:
@@ -376,5 +370,37 @@ class KVLayout:
 def layout_from_hf_config(config: str | os.PathLike[str] | Mapping[str, Any], *,
                           dtype: torch.dtype | str | None = None, block_size: int = 16,
                           ) -> KVLayout:
-    """The same as :meth:`KVLayout.from_hf_config` (a function, for ``map`` and friends)."""
-    return KVLayout.from_hf_config(config, dtype=dtype, block_size=block_size)
+    """KV layout of a model from its Hugging Face configuration.
+
+    Reads ``num_hidden_layers``, ``num_key_value_heads`` (default
+    ``num_attention_heads``), ``head_dim`` (default ``hidden_size //
+    num_attention_heads``) and ``dtype``/``torch_dtype``, from ``text_config`` for
+    multimodal models (:func:`~lmcache_kv_fast.layout.hf_config.hf_kv_geometry`). MLA
+    models (DeepSeek-V2/V3 style: ``kv_lora_rank``) give a single-plane layout of width
+    ``kv_lora_rank + qk_rope_head_dim``, which is what vLLM caches for them. Hybrid models
+    (``layer_types`` with non-attention layers) are refused.
+
+    Args:
+        config: A model directory, its ``config.json``, a Hugging Face id in the local
+            cache, or the configuration as a mapping.
+        dtype: KV dtype; overrides the configuration's (pass it when the engine runs with
+            another ``--dtype`` than the checkpoint's, or the config has none).
+        block_size: Engine tokens per block (from ``/status`` or the engine's flags).
+
+    Returns:
+        The layout of the whole model (all KV heads).
+
+    Raises:
+        ModelConfigNotFoundError: The configuration cannot be found.
+        KVCacheSDKError: A field is missing or invalid, the model is hybrid, or no dtype is
+            known (the message names the field or what to pass).
+        InvalidArgumentError: ``dtype`` or ``block_size`` is invalid.
+    """
+    from lmcache_kv_fast.layout.hf_config import hf_kv_geometry
+
+    geo = hf_kv_geometry(config, dtype=dtype)
+    try:
+        return KVLayout(block_size=block_size, **geo)
+    except InvalidArgumentError as err:
+        where = f" of {config!r}" if isinstance(config, str | os.PathLike) else ""
+        raise InvalidArgumentError(f"model configuration{where}: {err}") from err

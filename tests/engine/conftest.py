@@ -25,12 +25,24 @@ from lmcache_kv_fast.testing.tiny_model import ensure_tiny_model
 from .common import BLOCK, CHUNK, ENGINE_TEST_TIMEOUT
 
 
+def pytest_configure(config: pytest.Config) -> None:
+    config.addinivalue_line(
+        "markers", "stops_engine: stops the shared offline engine (run after every other "
+        "engine test)")
+
+
+
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     here = Path(__file__).parent
-    for item in items:
-        if here in Path(str(item.fspath)).parents:
-            item.add_marker(pytest.mark.engine)
-            item.add_marker(pytest.mark.timeout(ENGINE_TEST_TIMEOUT))
+    mine = [i for i, item in enumerate(items) if here in Path(str(item.fspath)).parents]
+    for i in mine:
+        items[i].add_marker(pytest.mark.engine)
+        items[i].add_marker(pytest.mark.timeout(ENGINE_TEST_TIMEOUT))
+    # within this package, the tests that stop the shared engine go last (stable otherwise)
+    ordered = sorted((items[i] for i in mine),
+                     key=lambda it: it.get_closest_marker("stops_engine") is not None)
+    for i, item in zip(mine, ordered, strict=True):
+        items[i] = item
 
 
 @pytest.fixture(scope="package")
@@ -86,11 +98,14 @@ def cpu_kv(tiny_model: Path, offline_engine: OfflineEngine) -> CpuEngineKV:
 
 
 @pytest.fixture(scope="package")
-def sdk(engine_server: LMCacheServer, model_name: str, cpu_kv: CpuEngineKV
+def sdk(engine_server: LMCacheServer, model_name: str, offline_engine: OfflineEngine
         ) -> Iterator[lkf.LMCacheKVCacheContext]:
-    """This SDK on the engine's model, with the raw single-plane layout given explicitly."""
-    ctx = lkf.connect(engine_server.url, engine_server.http_url, model_name,
-                      layout=cpu_kv.raw_layout, timeout=60)
+    """This SDK on the engine's model the way a user connects: the model name, nothing else.
+
+    It finds the CPU engine's geometry itself; retrieve/store move per-token K/V (``raw=True``:
+    the engine's rows).
+    """
+    ctx = lkf.connect(engine_server.url, engine_server.http_url, model_name, timeout=60)
     try:
         yield ctx
     finally:

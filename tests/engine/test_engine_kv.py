@@ -1,9 +1,9 @@
 """The SDK against a real vLLM CPU engine, the real LMCache server and a transformers oracle.
 
-The SDK connects with the engine's raw single-plane layout given explicitly
-(``cpu_kv.raw_layout``) and converts rows <-> per-token K/V with ``CpuEngineKV`` (what
-``connect()`` will do by itself once the resolver is wired in). Tests run in file order
-and share one engine; each uses its own prompts.
+The SDK connects as a user does, with the model name only (the ``sdk`` fixture): it finds
+the CPU engine's geometry itself, ``retrieve`` hands out per-token K/V and ``store`` writes
+the engine's order back. ``raw=True`` reads the engine's rows bit-exact. Tests run in file
+order and share one engine; each uses its own prompts.
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ import torch
 from lmcache_kv_fast.layout import CpuEngineKV, raw_rows_from_paged_blocks, resolve_engine_layout
 from lmcache_kv_fast.testing.engine import OpenAIEngine
 
-from .common import BLOCK, CHUNK, tokens
+from .common import BLOCK, CHUNK, tokens, unregister_engine_driven
 
 TAIL = 16
 #: Max |logprob difference| allowed between the bf16 engine and the float32 oracle; the
@@ -39,14 +39,22 @@ def test_engine_registration_and_geometry(offline_engine, engine_server, model_n
     st = engine_server.status()
     assert st["cache_context_meta"] == {}
     mine = {k: v for k, v in st["non_cuda_context_meta"].items() if v["model_name"] == model_name}
-    # the engine and this SDK: the same four fields, nothing else published
-    assert str(sdk.instance_id) in mine and len(mine) == 2
+    # the engine and this SDK (a reader and a writer registration): the same four fields,
+    # nothing else published
+    own = {str(sdk.instance_id), str(sdk.writer_instance_id)}
+    assert own <= set(mine) and len(mine) == 3
     for entry in mine.values():
         assert entry == {"model_name": model_name, "world_size": 1, "block_size": BLOCK,
                          "use_mla": True}
-    res = resolve_engine_layout(st, model_name, exclude_instance_ids=[sdk.instance_id])
+    res = resolve_engine_layout(st, model_name,
+                                exclude_instance_ids=[sdk.instance_id, sdk.writer_instance_id])
     assert res.cpu == cpu_kv and res.layout == cpu_kv.raw_layout
-    assert res.instance_ids == tuple(k for k in mine if k != str(sdk.instance_id))
+    assert res.instance_ids == tuple(k for k in mine if k not in own)
+    # what plain connect() found
+    assert sdk.engine_kv == cpu_kv
+    assert sdk.layout == cpu_kv.token_layout and sdk.raw_layout == cpu_kv.raw_layout
+    assert sdk.kv_shape(CHUNK) == (2, 2, CHUNK, 128)
+    assert sdk.kv_shape(CHUNK, raw=True) == (2, CHUNK, 256)
 
 
 # ---------------------------------------------------------------------- prefill / raw / per-token
@@ -61,16 +69,17 @@ def test_prefill_lookup_whole_chunks(offline_engine, sdk):
 
 @pytest.fixture(scope="module")
 def prefilled(offline_engine, sdk):
-    """A 528-token prompt computed by the engine: (tokens, generation, retrieved raw rows)."""
+    """A 528-token prompt computed by the engine: (tokens, generation, raw rows, per-token K/V)."""
     a = tokens(2 * CHUNK + TAIL, 3)
     gen = offline_engine.generate([a])[0]
-    raw = sdk.retrieve(a)
-    assert raw is not None
-    return a, gen, raw
+    raw = sdk.retrieve(a, raw=True)
+    kv = sdk.retrieve(a)
+    assert raw is not None and kv is not None
+    return a, gen, raw, kv
 
 
-def test_retrieve_equals_engine_paged_blocks(offline_engine, prefilled, cpu_kv):
-    a, gen, raw = prefilled
+def test_retrieve_raw_equals_engine_paged_blocks(offline_engine, prefilled, cpu_kv):
+    a, gen, raw, _kv = prefilled
     assert raw.shape == (cpu_kv.num_layers, 2 * CHUNK, cpu_kv.num_kv_heads * 2 * cpu_kv.head_dim)
     blocks = offline_engine.block_ids(gen.request_id)
     assert len(blocks) == -(-len(a) // BLOCK)
@@ -78,9 +87,13 @@ def test_retrieve_equals_engine_paged_blocks(offline_engine, prefilled, cpu_kv):
     assert torch.equal(bits(raw), bits(engine_rows[:, : 2 * CHUNK]))
 
 
-def test_per_token_kv_equals_transformers(prefilled, cpu_kv, oracle):
-    a, _gen, raw = prefilled
-    kv = cpu_kv.to_tokens(raw)
+def test_per_token_kv_equals_transformers(prefilled, cpu_kv, oracle, sdk):
+    a, _gen, raw, kv = prefilled
+    assert torch.equal(bits(kv), bits(cpu_kv.to_tokens(raw)))  # retrieve converted exactly
+    out = torch.full((2, 2, 3 * CHUNK, 128), 7.0, dtype=torch.bfloat16)
+    got = sdk.retrieve(a, out=out)  # into a caller's buffer: the first hit tokens
+    assert got is not None and got.data_ptr() == out.data_ptr()
+    assert torch.equal(bits(got), bits(kv)) and bool((out[:, :, 2 * CHUNK:] == 7).all())
     ref = oracle.kv(a)[:, :, : 2 * CHUNK]
     assert kv.shape == ref.shape == (2, 2, 2 * CHUNK, 128)
     for plane in (0, 1):
@@ -109,9 +122,10 @@ def reference_a(offline_engine):
 def test_transplant_kv_of_a_under_prefix_b(offline_engine, sdk, reference_a):
     a, tail, ref = reference_a
     b = tokens(2 * CHUNK, 12)
-    kv_a = sdk.retrieve(a)
-    assert kv_a is not None and kv_a.shape[1] == 2 * CHUNK
+    kv_a = sdk.retrieve(a)  # per-token, stored back per-token: the engine's order restored
+    assert kv_a is not None and kv_a.shape == (2, 2, 2 * CHUNK, 128)
     assert sdk.store(kv_a, b)
+    assert torch.equal(bits(sdk.retrieve(b, raw=True)), bits(sdk.retrieve(a, raw=True)))
     before = offline_engine.metrics()
     got = offline_engine.generate([b + tail], logprobs=1024)[0]
     assert got.num_cached_tokens == 2 * CHUNK  # served from LMCache: B was never computed
@@ -131,18 +145,23 @@ def test_transplant_kv_of_a_under_prefix_b(offline_engine, sdk, reference_a):
 def dropped(offline_engine, sdk, cpu_kv):
     """Prefill 800 tokens, drop every 10th token's K/V, store under the new token list.
 
-    Returns (new token list, edited per-token K/V of the stored 512 tokens, stored raw rows).
+    The user path: per-token retrieve, edit, per-token store of the whole edit (the store
+    keeps its whole chunks). Returns (new token list, edited per-token K/V of the stored
+    512 tokens, the engine rows the SDK stored).
     """
     prompt = tokens(800, 20)
     assert offline_engine.generate([prompt])[0].num_cached_tokens == 0
-    raw = sdk.retrieve(prompt)
-    assert raw is not None and raw.shape[1] == 3 * CHUNK
-    kv = cpu_kv.to_tokens(raw)
-    keep = [i for i in range(raw.shape[1]) if i % 10 != 9]
-    edited = kv[:, :, keep][:, :, : 2 * CHUNK].contiguous()
+    kv = sdk.retrieve(prompt)
+    assert kv is not None and kv.shape == (2, 2, 3 * CHUNK, 128)
+    keep = [i for i in range(kv.shape[2]) if i % 10 != 9]
+    edited_all = kv[:, :, keep]  # 692 tokens: 2 whole chunks + a partial one
     new_tokens = [t for i, t in enumerate(prompt) if i % 10 != 9]
-    stored = cpu_kv.to_raw(edited)
-    assert sdk.store(stored, new_tokens[: 2 * CHUNK])
+    res = sdk.store_ex(edited_all, new_tokens[: len(keep)])
+    assert res.ok and res.tokens_stored == 2 * CHUNK
+    edited = edited_all[:, :, : 2 * CHUNK].contiguous()
+    stored = sdk.retrieve(new_tokens, raw=True)
+    assert stored is not None and torch.equal(bits(stored), bits(cpu_kv.to_raw(edited)))
+    assert torch.equal(bits(sdk.retrieve(new_tokens)), bits(edited))
     return new_tokens, edited, stored
 
 
@@ -177,6 +196,7 @@ def test_cache_salt_isolates(offline_engine, sdk):
     # and an SDK store under a salt is seen only with that salt
     t = tokens(2 * CHUNK + TAIL, 31)
     kv = sdk.retrieve(s, cache_salt="salt-a")
+    assert kv is not None and kv.shape == (2, 2, 2 * CHUNK, 128)
     assert sdk.store(kv, t[: 2 * CHUNK], cache_salt="salt-c")
     assert offline_engine.generate([t])[0].num_cached_tokens == 0
     assert offline_engine.reset_prefix_cache()
@@ -186,7 +206,7 @@ def test_cache_salt_isolates(offline_engine, sdk):
 def test_never_stored_prompt_misses(offline_engine, sdk):
     n = tokens(2 * CHUNK + TAIL, 40)
     assert sdk.lookup(n) == 0
-    assert sdk.retrieve(n) is None
+    assert sdk.retrieve(n) is None and sdk.retrieve(n, raw=True) is None
     assert offline_engine.generate([n])[0].num_cached_tokens == 0
 
 
@@ -225,6 +245,7 @@ def test_upstream_sdk_reads_the_edit_bit_exact(engine_server, model_name, droppe
             got = theirs.retrieve(new_tokens[: 2 * CHUNK])
         finally:
             theirs.close()
+            unregister_engine_driven(engine_server.url, theirs.instance_id)
     finally:
         reg.unregister()
     assert got is not None

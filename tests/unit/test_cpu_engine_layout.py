@@ -106,6 +106,24 @@ def test_round_trip_is_bit_exact(kernel, layers, nh, hs, bs, dtype):
     assert same_bits(spec.to_tokens(wide), out)
 
 
+@pytest.mark.parametrize(("kernel", "layers", "nh", "hs", "bs", "dtype"),
+                         [g for g in GEOMETRIES if g[4] <= 64 or g[0] == "vec"][:6])
+def test_token_slices_in_place(kernel, layers, nh, hs, bs, dtype):
+    """Chunk by chunk into / out of a token slice of a larger tensor (what retrieve / store do)."""
+    spec = CpuEngineKV(layers, nh, hs, dtype, bs, kernel)
+    kv = rand_bits((2, layers, 4 * bs, nh * hs), dtype, seed=3)
+    raw = spec.to_raw(kv)
+    out = torch.zeros(2, layers, 5 * bs, nh * hs, dtype=dtype)
+    for c in range(2):  # chunks of 2 blocks, written in place
+        part = out.narrow(2, c * 2 * bs, 2 * bs)
+        assert spec.to_tokens(raw[:, c * 2 * bs:(c + 1) * 2 * bs], out=part) is part
+    assert same_bits(out[:, :, : 4 * bs], kv) and not out[:, :, 4 * bs:].any()
+    back = torch.empty(layers, 2 * bs, nh * 2 * hs, dtype=dtype)
+    for c in range(2):  # and back from token slices (read in place)
+        spec.to_raw(out.narrow(2, c * 2 * bs, 2 * bs), out=back)
+        assert same_bits(back, raw[:, c * 2 * bs:(c + 1) * 2 * bs])
+
+
 def test_rows_are_not_tokens():
     """With vec, HS=64, BS=128 a raw row holds one K dimension of 128 tokens, not a token's K|V."""
     spec = CpuEngineKV(1, 1, 64, torch.float32, 128, "vec")
@@ -168,7 +186,12 @@ def test_bad_tensors_refused():
     with pytest.raises(InvalidArgumentError, match=r"\[2, L, T, NH\*HS\]"):
         spec.to_raw(raw)
     with pytest.raises(InvalidArgumentError, match="contiguous"):
-        spec.to_tokens(raw, out=torch.zeros(2, 2, 128, 256, dtype=torch.bfloat16)[..., :128])
+        spec.to_tokens(raw, out=torch.zeros(2, 2, 128, 256, dtype=torch.bfloat16).transpose(2, 3))
+    with pytest.raises(InvalidArgumentError, match="contiguous"):  # overlapping tokens
+        spec.to_tokens(raw, out=torch.zeros(2, 2, 1, 128, dtype=torch.bfloat16).expand(2, 2, 256, 128))
+    with pytest.raises(InvalidArgumentError, match="contiguous"):
+        spec.to_raw(torch.zeros(2, 2, 256, 128, dtype=torch.bfloat16),
+                    out=torch.zeros(2, 256, 512, dtype=torch.bfloat16)[..., :256])
     with pytest.raises(InvalidTypeError):
         spec.to_tokens(raw, out=3)  # type: ignore[arg-type]
 

@@ -36,7 +36,10 @@ from .servers import machine_description
 from .sizes import QUICK, SHM_CAP_GIB, MiB, Sizes, kv_nbytes, shm_l1_gib
 from .stats import add_ratios, rows_of
 from .targets import compute_targets, print_targets, reduced_sizes
-from .workloads import WORKLOADS
+from .workloads import ENGINE_WORKLOADS, WORKLOADS
+
+#: The workloads run without ``--engine``.
+DEFAULT_WORKLOADS = tuple(w for w in WORKLOADS if w not in ENGINE_WORKLOADS)
 
 
 def thread_list(text: str | None, cores: int) -> list[int]:
@@ -72,7 +75,13 @@ def build_parser() -> argparse.ArgumentParser:
     g = ap.add_argument_group("what to run")
     g.add_argument("--quick", action="store_true",
                    help="CI-sized run (< 2 minutes; its target verdicts are only indicative)")
-    g.add_argument("--workloads", default=",".join(WORKLOADS), help="subset of W1,W2,W3,W4,IC")
+    g.add_argument("--workloads", default=",".join(DEFAULT_WORKLOADS),
+                   help=f"subset of {','.join(DEFAULT_WORKLOADS)} (W5: --engine)")
+    g.add_argument("--engine", action="store_true",
+                   help="run W5, the engine loop, instead: a real vLLM CPU engine (.venv-engine, "
+                        "scripts/engine-venv.sh) prefills N prompts, the SDK retrieves per-token "
+                        "K/V, drops every k-th token and stores the edit, the engine re-serves "
+                        "them; this SDK and upstream side by side")
     g.add_argument("--threads", help="native copy thread counts, e.g. 1,2 (default 1..cores)")
     g.add_argument("--no-upstream", action="store_true", help="skip the upstream SDK paths")
     g.add_argument("--no-torch-backend", action="store_true", help="skip the torch backend path")
@@ -94,6 +103,9 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--reps", type=int, help="timed reps of W1 ops")
     g.add_argument("--warmup", type=int, help="untimed warm-up reps")
     g.add_argument("--ic-reps", type=int, help="fresh interpreters per import+connect kind")
+    g.add_argument("--engine-prompts", type=int, help="W5 prompts per rep (default 16, quick 3)")
+    g.add_argument("--engine-tokens", type=int, help="W5 prompt length (default 1040, quick 528)")
+    g.add_argument("--engine-reps", type=int, help="W5 reps per path (default 3, quick 1)")
     g = ap.add_argument_group("output")
     g.add_argument("--json", metavar="PATH", help="write every sample and the machine here")
     g.add_argument("--plot", metavar="PATH.png", help="bar chart + W2 latency CDF (matplotlib)")
@@ -144,7 +156,12 @@ def main(argv: list[str]) -> int:
     if bool(args.url) != bool(args.http_url) or bool(args.pickle_url) != bool(args.pickle_http_url):
         raise SystemExit("--url and --http-url (and --pickle-url / --pickle-http-url) go together")
     t_start = time.perf_counter()
+    picked = {w.strip().upper() for w in args.workloads.split(",") if w.strip()}
     with _sigterm_as_interrupt():
+        if args.engine or picked & set(ENGINE_WORKLOADS):
+            from .engine_loop import run_w5  # imports the SDK and the engine fixtures
+
+            return run_w5(args)
         return _main(args, t_start)
 
 

@@ -280,10 +280,18 @@ IC_WORKLOAD = Workload(
     ),
 )
 
+# ---------------------------------------------------------------------------- W5
+#: The engine loop against a real vLLM CPU engine (``bench --engine``): run by
+#: :mod:`.engine_loop` in the orchestrator (an engine, not the workers), with its own table
+#: (prefill / retrieve / edit / store / re-serve, the SDK's share, this SDK vs upstream).
+W5_WORKLOAD = Workload(name="W5")
+#: Workloads that need a real engine (only with ``--engine``; not in the default list).
+ENGINE_WORKLOADS: tuple[str, ...] = ("W5",)
+
 # ---------------------------------------------------------------------------- registry
 #: Every workload, in table and driving order.
 REGISTRY: tuple[Workload, ...] = (W1_WORKLOAD, W2_WORKLOAD, W3_WORKLOAD, W4_WORKLOAD,
-                                  IC_WORKLOAD)
+                                  IC_WORKLOAD, W5_WORKLOAD)
 #: The order of the targets section (W3's targets have always come last); new ones append.
 TARGET_ORDER: tuple[str, ...] = ("W1", "W2", "W4", "IC", "W3")
 
