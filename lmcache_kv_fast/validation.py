@@ -27,6 +27,9 @@ from lmcache_kv_fast.protocol.constants import (
 )
 
 _ZMQ_URL = re.compile(r"^tcp://[^\s/:]+:\d{1,5}$")
+#: ``ipc://<path>``: a ZMQ IPC endpoint (a Unix socket path, e.g. a proxy's), as upstream's
+#: request-client factory accepts it. The sdk package (``lmcache_kv_fast.sdk``) needs it.
+_ZMQ_IPC_URL = re.compile(r"^ipc://[^\s\x00]+$")
 _HTTP_URL = re.compile(r"^https?://[^\s/]+(:\d{1,5})?/?$")
 
 #: A token list as the server accepts it (exact ints, no bools, in [0, 2**32)).
@@ -133,10 +136,13 @@ def check_connect_args(url: Any, http_url: Any, model_name: Any, timeout: Any,
         InvalidArgumentError: A malformed URL, an empty or forbidden model name, or a
             non-positive timeout, world size or thread count.
     """
-    if not isinstance(url, str) or not _ZMQ_URL.match(url) or \
+    if isinstance(url, str) and _ZMQ_IPC_URL.match(url):
+        pass
+    elif not isinstance(url, str) or not _ZMQ_URL.match(url) or \
             not 0 < int(url.rsplit(":", 1)[1]) < 65536:
         raise InvalidArgumentError(
-            f"url must look like 'tcp://host:port' (port 1..65535), got {url!r:.80}"
+            f"url must look like 'tcp://host:port' (port 1..65535) or 'ipc://path', "
+            f"got {url!r:.80}"
         )
     if not isinstance(http_url, str) or not _HTTP_URL.match(http_url) or (
         (m := re.search(r":(\d+)/?$", http_url)) is not None and not 0 < int(m[1]) < 65536
