@@ -41,3 +41,7 @@ class ProtocolError(KVCacheSDKError):
 
 class ContextClosedError(KVCacheSDKError):
     """The context was used after ``close()``."""
+
+
+class MissingExtraError(KVCacheSDKError, ImportError):
+    """An optional dependency is not installed; the message names the extra to install."""
