@@ -266,9 +266,8 @@ class LMCacheSDKContext:
     def close(self) -> None:
         """Unregister and release this context's resources. Idempotent."""
         self._closed = True
-        kv, self._kv = self._kv, None
-        if kv is not None:
-            kv.close()
+        if self._kv is not None:
+            self._kv.close()  # idempotent; properties stay readable, operations then raise
 
     def __enter__(self) -> LMCacheSDKContext:
         return self

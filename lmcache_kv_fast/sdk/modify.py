@@ -29,6 +29,7 @@ from lmcache_kv_fast.sdk.request import (
     LMCacheRequestStreamError,
     call_modify_fn,
 )
+from lmcache_kv_fast.sdk.wait import WaitResult
 
 logger = logging.getLogger(__name__)
 
@@ -119,6 +120,21 @@ def modify_streams(streams: Sequence[LMCacheRequestStream], fn: ModifyFnType, *,
     return out
 
 
+def _waited(m: StreamModify, kind: LMCacheSDKCacheKind, timeout: float,
+            poll_interval: float) -> WaitResult:
+    """Wait for one kind of the stream's cache; the wait is counted even when it fails."""
+    try:
+        res = m.stream.wait_cached(kind, timeout, poll_interval)
+    except LMCacheRequestStreamError as err:
+        if err.wait is not None:
+            m.wait_s += err.wait.seconds
+            m.lookups += err.wait.lookups
+        raise
+    m.wait_s += res.seconds
+    m.lookups += res.lookups
+    return res
+
+
 def _nbytes(t: torch.Tensor) -> int:
     return t.numel() * t.element_size()
 
@@ -133,9 +149,7 @@ def _run_group(group: list[StreamModify], fn: ModifyFnType, timeout: float,
 
     def fetch(_ctx: Any, m: StreamModify) -> tuple[torch.Tensor | None, Sequence[int]]:
         s = m.stream
-        res = s.wait_cached(KV, timeout, poll_interval)
-        m.wait_s += res.seconds
-        m.lookups += res.lookups
+        res = _waited(m, KV, timeout, poll_interval)
         kv = sdk_ctx.kv_context.retrieve(s.tokens[: res.hit_tokens], salt)
         if kv is None:
             raise LMCacheRequestStreamError(
@@ -146,9 +160,7 @@ def _run_group(group: list[StreamModify], fn: ModifyFnType, timeout: float,
         for kind in s.contexts:
             if kind is KV:
                 continue
-            w = s.wait_cached(kind, timeout, poll_interval)
-            m.wait_s += w.seconds
-            m.lookups += w.lookups
+            w = _waited(m, kind, timeout, poll_interval)
             t = s.context(kind).retrieve(s.tokens[: w.hit_tokens], salt)
             if t is None:
                 raise LMCacheRequestStreamError(

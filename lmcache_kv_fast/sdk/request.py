@@ -51,7 +51,13 @@ __all__ = [
 
 
 class LMCacheRequestStreamError(KVCacheSDKError):
-    """A request stream operation failed (the message names the stream)."""
+    """A request stream operation failed (the message names the stream).
+
+    Attributes:
+        wait: For a cache that never appeared, the :class:`WaitResult` of the wait.
+    """
+
+    wait: WaitResult | None = None
 
 
 @dataclass(frozen=True)
@@ -316,10 +322,12 @@ class LMCacheRequestStream:
                 "cache to read (run prefill() first)")
         res = wait_for_prefix(ctx, self.tokens, self.cache_salt, target, timeout, poll_interval)
         if res.hit_tokens == 0:
-            raise LMCacheRequestStreamError(
+            err = LMCacheRequestStreamError(
                 f"no cached {kind.value} for stream {self._request_stream_id} after "
                 f"{res.seconds:.1f}s ({res.lookups} lookups, {res.target_tokens} tokens "
                 "expected)")
+            err.wait = res
+            raise err
         if res.reason != "complete":
             logger.warning("stream %s: %s cache has %d of %d expected tokens (%s)",
                            self._request_stream_id, kind.value, res.hit_tokens,
