@@ -31,7 +31,7 @@ from typing import Any
 import torch
 
 from lmcache_kv_fast.context import LMCacheKVCacheContext, normalize_tokens, usable_cores
-from lmcache_kv_fast.errors import InvalidArgumentError, KVCacheSDKError
+from lmcache_kv_fast.errors import InvalidArgumentError, InvalidTypeError, KVCacheSDKError
 
 logger = logging.getLogger(__name__)
 
@@ -136,8 +136,18 @@ class BufferPool:
     """
 
     def __init__(self, ctx: LMCacheKVCacheContext, max_tokens: int, size: int) -> None:
-        if size < 1 or max_tokens < 1:
-            raise InvalidArgumentError("BufferPool needs size >= 1 and max_tokens >= 1")
+        if not isinstance(ctx, LMCacheKVCacheContext):
+            raise InvalidTypeError(
+                f"BufferPool: ctx must be an LMCacheKVCacheContext, got {type(ctx).__name__}"
+            )
+        ctx._check_process()
+        for name, v in (("max_tokens", max_tokens), ("size", size)):
+            if type(v) is not int:
+                raise InvalidTypeError(
+                    f"BufferPool: {name} must be an int, got {type(v).__name__} {v!r:.40}"
+                )
+            if v < 1:
+                raise InvalidArgumentError(f"BufferPool: {name} must be >= 1, got {v}")
         self.shape = ctx.kv_shape(max_tokens)
         self._free: collections.deque[torch.Tensor] = collections.deque()
         for _ in range(size):
@@ -231,6 +241,7 @@ def _nbytes(t: torch.Tensor | None) -> int:
 def _check_common(ctx: Any, max_in_flight: int) -> None:
     if not isinstance(ctx, LMCacheKVCacheContext):
         raise InvalidArgumentError(f"ctx must be an LMCacheKVCacheContext, got {type(ctx).__name__}")
+    ctx._check_process()
     if type(max_in_flight) is not int or max_in_flight < 1:
         raise InvalidArgumentError(f"max_in_flight must be a positive int, got {max_in_flight!r}")
 

@@ -89,7 +89,9 @@ class LMCacheKVCacheContext:
 
     Create it with :func:`lmcache_kv_fast.connect` (or the constructor); use
     :meth:`retrieve`, :meth:`store`, :meth:`store_ex`, :meth:`lookup`; :meth:`close` it (or
-    use it as a context manager). Safe to share between threads.
+    use it as a context manager). Safe to share between threads; not usable in a child
+    process after ``fork()`` (its calls raise ``KVCacheSDKError`` there: ``connect()`` a
+    context in the child).
 
     Args:
         url: ZMQ URL of the server, ``tcp://host:port``.
@@ -128,9 +130,9 @@ class LMCacheKVCacheContext:
         self._hints = ReadHints(s, bool(read_hints))
         self._retrieval = RetrieveFlow(s, self._hints)
         self._storing = StoreFlow(s, self._hints)
-        if copy_threads is not None:
-            s.backend.set_threads(copy_threads)
         try:
+            if copy_threads is not None:
+                s.backend.set_threads(copy_threads)
             handshake(s, layout, world_size)
             if heartbeat:
                 s.background.start_heartbeat()
@@ -239,6 +241,7 @@ class LMCacheKVCacheContext:
         """
         t0 = time.perf_counter()
         s = self._session
+        s.check_process()
         toks = normalize_tokens(tokens)
         salt = check_salt(cache_salt)
         n_tok = len(toks) // s.chunk_size * s.chunk_size
@@ -268,6 +271,7 @@ class LMCacheKVCacheContext:
         """
         t0 = time.perf_counter()
         s = self._session
+        s.check_process()
         toks = normalize_tokens(tokens)
         salt = check_salt(cache_salt)
         n_tok = len(toks) // s.chunk_size * s.chunk_size
@@ -307,6 +311,7 @@ class LMCacheKVCacheContext:
         """
         t0 = time.perf_counter()
         s = self._session
+        s.check_process()
         src = check_kv(kv, s.layout, s.dtype)
         toks = normalize_tokens(tokens)
         salt = check_salt(cache_salt)
@@ -349,7 +354,8 @@ class LMCacheKVCacheContext:
 
         Waits (up to ``timeout``) for operations still running on other threads. The
         registration is only dropped when no prepared store is left uncommitted (the
-        server would admit its slots as data, doc §3.2).
+        server would admit its slots as data, doc §3.2). In a child process after
+        ``fork()`` it does nothing (everything it would release is the parent's).
         """
         self._session.close()
 
@@ -361,9 +367,17 @@ class LMCacheKVCacheContext:
 
     def __del__(self) -> None:
         s = getattr(self, "_session", None)
-        if s is not None and not s.closed:
+        if s is not None and not s.closed and not s.in_other_process():
             with contextlib.suppress(Exception):
                 self.close()
+
+    def _check_process(self) -> None:
+        """Raise KVCacheSDKError when used in a process other than the creating one.
+
+        (A child after fork(): see ``Session.check_process``; batch and event entry points
+        call it.)
+        """
+        self._session.check_process()
 
     def __repr__(self) -> str:
         state = "closed" if self.closed else getattr(self._session, "transport", "connecting")

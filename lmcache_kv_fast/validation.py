@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import math
 import operator
-import re
 from typing import Annotated, Any
 
 import msgspec
@@ -25,12 +24,16 @@ from lmcache_kv_fast.protocol.constants import (
     MAX_CACHE_SALT_LEN,
     MAX_TOKEN_ID,
 )
+from lmcache_kv_fast.transport.urls import parse_http_url, parse_zmq_url
 
-_ZMQ_URL = re.compile(r"^tcp://[^\s/:]+:\d{1,5}$")
-#: ``ipc://<path>``: a ZMQ IPC endpoint (a Unix socket path, e.g. a proxy's), as upstream's
-#: request-client factory accepts it. The sdk package (``lmcache_kv_fast.sdk``) needs it.
-_ZMQ_IPC_URL = re.compile(r"^ipc://[^\s\x00]+$")
-_HTTP_URL = re.compile(r"^https?://[^\s/]+(:\d{1,5})?/?$")
+#: Most copy threads the native core takes (csrc/thread_pool.cpp ``set_threads``).
+MAX_COPY_THREADS = 1024
+
+#: torch dtypes of token ids (quantized and bool dtypes are not integers here).
+_TORCH_INT_DTYPES = frozenset({
+    torch.int8, torch.int16, torch.int32, torch.int64,
+    torch.uint8, torch.uint16, torch.uint32, torch.uint64,
+})
 
 #: A token list as the server accepts it (exact ints, no bools, in [0, 2**32)).
 _TOKEN_LIST = list[Annotated[int, msgspec.Meta(ge=0, le=MAX_TOKEN_ID)]]
@@ -58,12 +61,7 @@ def normalize_tokens(tokens: Any, what: str = "tokens") -> list[int]:
     if isinstance(tokens, (str, bytes, bytearray)) or tokens is None:
         raise InvalidTypeError(f"{what} must be a sequence of ints, got {type(tokens).__name__}")
     if _is_tensor_like(tokens):
-        if tokens.ndim != 1:
-            raise InvalidArgumentError(f"{what} must be 1-D, got {tokens.ndim}-D")
-        kind = str(tokens.dtype)
-        if "int" not in kind or "bool" in kind:
-            raise InvalidTypeError(f"{what} must have an integer dtype, got {kind}")
-        out = tokens.tolist()
+        out = _tensor_tokens(tokens, what)
     elif isinstance(tokens, list) and all(type(t) is int for t in tokens):
         out = tokens
     else:
@@ -73,28 +71,81 @@ def normalize_tokens(tokens: Any, what: str = "tokens") -> list[int]:
             raise InvalidTypeError(
                 f"{what} must be a sequence of ints, got {type(tokens).__name__}"
             ) from None
-        out = []
-        for t in seq:
-            if isinstance(t, bool) or not hasattr(t, "__index__"):
-                raise InvalidTypeError(
-                    f"{what} must contain only ints, got {type(t).__name__} {t!r:.40}"
-                )
-            out.append(operator.index(t))
+        out = [_token(t, what) for t in seq]
     if out and (min(out) < 0 or max(out) > MAX_TOKEN_ID):
         bad = next(t for t in out if t < 0 or t > MAX_TOKEN_ID)
         raise InvalidArgumentError(f"{what} must be in [0, 2**32), got {bad}")
     return out
 
 
+def _tensor_tokens(tokens: Any, what: str) -> list[int]:
+    """The ints of a 1-D integer array or tensor (numpy, torch or alike)."""
+    if tokens.ndim != 1:
+        raise InvalidArgumentError(f"{what} must be 1-D, got {tokens.ndim}-D")
+    dtype = tokens.dtype
+    if isinstance(tokens, torch.Tensor):
+        ok = dtype in _TORCH_INT_DTYPES and not tokens.is_quantized
+        if ok and tokens.device.type == "meta":
+            raise InvalidTypeError(f"{what} is a tensor on the meta device (it has no data)")
+    else:
+        kind = getattr(dtype, "kind", None)  # numpy: "i" / "u" are the integers
+        ok = kind in ("i", "u") if kind is not None else \
+            "int" in str(dtype) and "bool" not in str(dtype)
+    if not ok:
+        raise InvalidTypeError(f"{what} must have an integer dtype, got {dtype}")
+    try:
+        out = tokens.tolist()
+    except Exception as err:  # a tensor whose values cannot be read (sparse, ...)
+        raise InvalidTypeError(
+            f"{what}: cannot read the values of this {type(tokens).__name__} ({dtype}): {err}"
+        ) from err
+    if not isinstance(out, list) or not all(type(t) is int for t in out):
+        raise InvalidTypeError(f"{what} must hold ints, got {type(tokens).__name__} of {dtype}")
+    return out
+
+
+def _token(t: Any, what: str) -> int:
+    """One token of a generic sequence: an int or an integer scalar, never a bool."""
+    dtype = getattr(t, "dtype", None)
+    if isinstance(t, bool) or not hasattr(t, "__index__") or \
+            (dtype is not None and "bool" in str(dtype)):  # numpy.bool_, torch bool scalars
+        raise InvalidTypeError(f"{what} must contain only ints, got {type(t).__name__} {t!r:.40}")
+    try:
+        v = operator.index(t)
+    except Exception as err:  # e.g. a float 0-d tensor
+        raise InvalidTypeError(
+            f"{what} must contain only ints, got {type(t).__name__} {t!r:.40}"
+        ) from err
+    if type(v) is not int:  # int subclasses (bool) out of __index__
+        raise InvalidTypeError(f"{what} must contain only ints, got {type(t).__name__} {t!r:.40}")
+    return v
+
+
+def _check_text(value: Any, what: str) -> str:
+    """A plain ``str`` that encodes to UTF-8 (no lone surrogates), as msgpack sends it."""
+    if type(value) is not str:
+        kind = f"a subclass of str ({type(value).__name__})" if isinstance(value, str) \
+            else type(value).__name__
+        raise InvalidTypeError(f"{what} must be a str, got {kind}")
+    try:
+        value.encode("utf-8")
+    except UnicodeEncodeError as err:
+        raise InvalidArgumentError(
+            f"{what} must be valid Unicode text, got {value!r:.80}: character "
+            f"{value[err.start]!r} at {err.start} cannot be encoded (a lone surrogate)"
+        ) from None
+    return value
+
+
 def check_salt(cache_salt: Any) -> str:
     """Validate ``cache_salt`` like the server does (doc §4.1), before anything is sent.
 
     Raises:
-        InvalidTypeError: Not a str.
-        InvalidArgumentError: Longer than 128 characters or containing ``@ / \\`` or NUL.
+        InvalidTypeError: Not a str (a subclass of str is refused too).
+        InvalidArgumentError: Longer than 128 characters, containing ``@ / \\`` or NUL, or
+            not encodable (a lone surrogate).
     """
-    if not isinstance(cache_salt, str):
-        raise InvalidTypeError(f"cache_salt must be a str, got {type(cache_salt).__name__}")
+    _check_text(cache_salt, "cache_salt")
     if len(cache_salt) > MAX_CACHE_SALT_LEN:
         raise InvalidArgumentError(
             f"cache_salt must be at most {MAX_CACHE_SALT_LEN} characters, got {len(cache_salt)}"
@@ -112,6 +163,7 @@ def check_request_configs(request_configs: Any) -> dict[str, Any] | None:
 
     Raises:
         InvalidTypeError: Not None or a dict with str keys of msgpack-encodable values.
+        InvalidArgumentError: Nested too deeply, or a str that cannot be encoded.
     """
     if request_configs is None:
         return None
@@ -123,6 +175,14 @@ def check_request_configs(request_configs: Any) -> dict[str, Any] | None:
         )
     try:
         codec.encode(request_configs)
+    except RecursionError:
+        raise InvalidArgumentError(
+            "request_configs is nested too deeply to be encoded"
+        ) from None
+    except UnicodeEncodeError as err:
+        raise InvalidArgumentError(
+            f"request_configs cannot be encoded: {err} (a lone surrogate in a str)"
+        ) from err
     except (TypeError, ValueError, OverflowError) as err:
         raise InvalidTypeError(f"request_configs cannot be encoded: {err}") from err
     return request_configs
@@ -133,25 +193,16 @@ def check_connect_args(url: Any, http_url: Any, model_name: Any, timeout: Any,
     """Validate the arguments of ``connect()`` before anything is contacted.
 
     Raises:
-        InvalidArgumentError: A malformed URL, an empty or forbidden model name, or a
-            non-positive timeout, world size or thread count.
+        InvalidArgumentError: A malformed URL (see ``transport/urls.py``), an empty,
+            forbidden or unencodable model name, a non-positive timeout or world size, or
+            a thread count outside ``[1, MAX_COPY_THREADS]``.
+        InvalidTypeError: A model name that is not a plain str.
     """
-    if isinstance(url, str) and _ZMQ_IPC_URL.match(url):
-        pass
-    elif not isinstance(url, str) or not _ZMQ_URL.match(url) or \
-            not 0 < int(url.rsplit(":", 1)[1]) < 65536:
-        raise InvalidArgumentError(
-            f"url must look like 'tcp://host:port' (port 1..65535) or 'ipc://path', "
-            f"got {url!r:.80}"
-        )
-    if not isinstance(http_url, str) or not _HTTP_URL.match(http_url) or (
-        (m := re.search(r":(\d+)/?$", http_url)) is not None and not 0 < int(m[1]) < 65536
-    ):
-        raise InvalidArgumentError(
-            f"http_url must look like 'http://host:port' (port 1..65535), got {http_url!r:.80}"
-        )
-    if not isinstance(model_name, str) or not model_name:
-        raise InvalidArgumentError(f"model_name must be a non-empty str, got {model_name!r:.80}")
+    parse_zmq_url(url, "url")
+    parse_http_url(http_url, "http_url")
+    if isinstance(model_name, str) and not model_name:
+        raise InvalidArgumentError("model_name must be a non-empty str, got ''")
+    _check_text(model_name, "model_name")
     if FORBIDDEN_MODEL_CHARS.intersection(model_name):
         raise InvalidArgumentError(f"model_name must not contain '@', got {model_name!r:.80}")
     if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or \
@@ -159,8 +210,12 @@ def check_connect_args(url: Any, http_url: Any, model_name: Any, timeout: Any,
         raise InvalidArgumentError(f"timeout must be a positive number of seconds, got {timeout!r}")
     if world_size is not None and (type(world_size) is not int or world_size < 1):
         raise InvalidArgumentError(f"world_size must be a positive int, got {world_size!r}")
-    if copy_threads is not None and (type(copy_threads) is not int or copy_threads < 1):
-        raise InvalidArgumentError(f"copy_threads must be a positive int, got {copy_threads!r}")
+    if copy_threads is not None and (type(copy_threads) is not int or
+                                     not 1 <= copy_threads <= MAX_COPY_THREADS):
+        raise InvalidArgumentError(
+            f"copy_threads must be an int in [1, {MAX_COPY_THREADS}] (or None), got "
+            f"{copy_threads!r:.40}"
+        )
 
 
 def check_kv(kv: Any, layout: KVLayout, dtype: torch.dtype) -> torch.Tensor:

@@ -17,6 +17,7 @@ from __future__ import annotations
 import contextlib
 import itertools
 import logging
+import os
 import secrets
 import threading
 import time
@@ -47,6 +48,23 @@ logger = logging.getLogger(__name__)
 RESTART_PROBE_TIMEOUT_S = 1.0
 #: close() waits at most this long for acknowledgements of fired releases.
 SETTLE_ACKS_TIMEOUT_S = 1.0
+
+
+#: Every session of this process (the at-fork hook marks them foreign in a child).
+_LIVE: weakref.WeakSet[Session] = weakref.WeakSet()
+
+
+def _mark_foreign_in_child() -> None:
+    """After ``fork()``, in the child: every inherited session belongs to the parent.
+
+    Only a flag is set (no ZMQ call: the inherited sockets and threads are the parent's);
+    ``close()`` and the garbage collector then leave them alone.
+    """
+    for s in list(_LIVE):
+        s.foreign = True
+
+
+os.register_at_fork(after_in_child=_mark_foreign_in_child)
 
 
 class Session:
@@ -80,6 +98,12 @@ class Session:
 
     def __init__(self, url: str, http_url: str, model_name: str, timeout: float,
                  owner: object) -> None:
+        #: The process that created the session; its sockets, threads and registration
+        #: are of no use in another one (after fork()).
+        self.pid = os.getpid()
+        #: Set in a forked child (at-fork hook): this session is the parent's.
+        self.foreign = False
+        _LIVE.add(self)
         self.closed = False
         self.closing = False
         #: Set once the server is known to have forgotten this instance (restart / reap).
@@ -132,6 +156,25 @@ class Session:
         return (2, lay.num_layers, tokens, lay.hidden_size)
 
     # ------------------------------------------------------------------ one operation
+    def in_other_process(self) -> bool:
+        """Whether this runs in a process other than the creating one (after fork())."""
+        return self.foreign or self.pid != os.getpid()
+
+    def check_process(self) -> None:
+        """Refuse use in a process other than the creating one (a child after fork()).
+
+        Raises:
+            KVCacheSDKError: Called in another process; the child must ``connect()`` its
+                own context (ZMQ sockets and threads do not survive a fork).
+        """
+        if self.in_other_process():
+            raise KVCacheSDKError(
+                f"this SDK context (model {self.model_name!r} at {self.url}) was created in "
+                f"process {self.pid} and cannot be used in process {os.getpid()} (after "
+                "fork()): its sockets and threads stay in the parent; connect() a new "
+                "context in the child"
+            )
+
     @contextlib.contextmanager
     def op(self, request_configs: dict[str, Any] | None = None, *, name: str = "",
            t0: float = 0.0) -> Iterator[Channel]:
@@ -139,6 +182,7 @@ class Session:
 
         With ``name``, the call's :class:`OpTiming` (from ``t0``, its start) is recorded.
         """
+        self.check_process()
         with self._ops_cv:
             if self.closing or self.closed:
                 raise ContextClosedError(
@@ -321,7 +365,13 @@ class Session:
 
     # ------------------------------------------------------------------ close
     def close(self) -> None:
-        """Drain running operations (up to ``timeout``), then :meth:`teardown`. Idempotent."""
+        """Drain running operations (up to ``timeout``), then :meth:`teardown`. Idempotent.
+
+        In a forked child it does nothing: the sockets, threads, mapping and server
+        registration are the parent's (which keeps using them).
+        """
+        if self.in_other_process():
+            return
         with self._ops_cv:
             if self.closing or self.closed:
                 return
@@ -336,8 +386,10 @@ class Session:
         """Stop the background thread, settle, unregister, close the sockets and unmap.
 
         The registration is only dropped when no prepared store is left uncommitted (the
-        server would admit its slots as data, doc §3.2).
+        server would admit its slots as data, doc §3.2). Nothing in a forked child.
         """
+        if self.in_other_process():
+            return
         self.background.stop()
         zmq_client = self.zmq
         if zmq_client is not None and drained and not zmq_client.closing and \

@@ -9,7 +9,6 @@ The helpers here validate endpoint arguments and read what the stream needs of t
 from __future__ import annotations
 
 import math
-import re
 from dataclasses import dataclass
 from typing import Any
 
@@ -20,9 +19,7 @@ from lmcache_kv_fast.protocol.constants import DEFAULT_REAP_TIMEOUT_S, FORBIDDEN
 from lmcache_kv_fast.protocol.detect import detect_generation
 from lmcache_kv_fast.protocol.ops import Generation
 from lmcache_kv_fast.transport.http import HttpInfoClient
-
-_ZMQ_URL = re.compile(r"^tcp://[^\s/:]+:\d{1,5}$")
-_HTTP_URL = re.compile(r"^https?://[^\s/]+(:\d{1,5})?/?$")
+from lmcache_kv_fast.transport.urls import parse_http_url, parse_zmq_url
 
 
 @dataclass(frozen=True)
@@ -91,12 +88,8 @@ class EventsEndpoint:
 
 
 def _check_endpoint_args(url: Any, http_url: Any, model_name: Any, timeout: Any) -> None:
-    if not isinstance(url, str) or not _ZMQ_URL.match(url):
-        raise InvalidArgumentError(f"url must look like 'tcp://host:port', got {url!r:.80}")
-    if not isinstance(http_url, str) or not _HTTP_URL.match(http_url):
-        raise InvalidArgumentError(
-            f"http_url must look like 'http://host:port', got {http_url!r:.80}"
-        )
+    parse_zmq_url(url, "url")
+    parse_http_url(http_url, "http_url")
     if not isinstance(model_name, str) or not model_name:
         raise InvalidArgumentError(f"model_name must be a non-empty str, got {model_name!r:.80}")
     if FORBIDDEN_MODEL_CHARS.intersection(model_name):

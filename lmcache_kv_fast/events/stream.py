@@ -52,6 +52,7 @@ from lmcache_kv_fast.protocol.constants import (
     STREAM_CANCEL,
 )
 from lmcache_kv_fast.protocol.ops import Generation, Op
+from lmcache_kv_fast.transport.zmq_client import connect_socket
 
 logger = logging.getLogger("lmcache_kv_fast.events")
 
@@ -159,6 +160,9 @@ class KVEventSubscription(_StreamIO):
                 f"the LMCache server at {getattr(target, 'url', '?')} (generation {name}) has "
                 "no KV-event stream: subscribe_kv_events exists from LMCache 0.5.6 on"
             )
+        check_process = getattr(target, "_check_process", None)
+        if check_process is not None:  # a context made before fork(): refused here at once
+            check_process()
         if _target_closed(target):
             raise ContextClosedError(f"the SDK context for {target.url} is closed")
         self._target = target
@@ -209,7 +213,7 @@ class KVEventSubscription(_StreamIO):
             self._poller = zmq.Poller()
             self._poller.register(self._sock, zmq.POLLIN)
             self._poller.register(self._monitor, zmq.POLLIN)
-            self._sock.connect(self.url)
+            connect_socket(self._sock, self.url)
             with self._lock:
                 self._check_capability(probe)
                 self._send_subscribe(cursor)
@@ -440,7 +444,7 @@ def _ping_loop(ref: weakref.ref[KVEventSubscription], zctx: zmq.Context,
     close_target = False
     try:
         sock.setsockopt(zmq.LINGER, 0)
-        sock.connect(url)
+        connect_socket(sock, url)
         next_ping = time.monotonic() + (interval or 0.0)
         last_pong = time.monotonic()
         warned = False

@@ -19,12 +19,17 @@ from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-import msgspec
 import zmq
 
-from lmcache_kv_fast.errors import ContextClosedError, ProtocolError, ServerTimeoutError
+from lmcache_kv_fast.errors import (
+    ContextClosedError,
+    InvalidArgumentError,
+    ProtocolError,
+    ServerTimeoutError,
+)
 from lmcache_kv_fast.protocol import codec
 from lmcache_kv_fast.protocol.ops import Generation, Op
+from lmcache_kv_fast.transport.urls import Endpoint, parse_zmq_url
 
 logger = logging.getLogger(__name__)
 
@@ -56,13 +61,19 @@ class Channel:
 
     def __init__(self, client: ZmqClient, *, bound: bool = True) -> None:
         self._client = client
+        self._monitor: zmq.Socket | None = None
         self.sock: zmq.Socket = client.zmq_context.socket(zmq.DEALER)
-        self.sock.setsockopt(zmq.LINGER, 0)
-        self.sock.setsockopt(zmq.RCVHWM, 0)
-        self.sock.setsockopt(zmq.SNDHWM, 0)
-        # Disconnects (server killed or restarted) are noticed here; see peer_lost().
-        self._monitor: zmq.Socket | None = self.sock.get_monitor_socket(zmq.EVENT_DISCONNECTED)
-        self.sock.connect(client.url)
+        try:
+            self.sock.setsockopt(zmq.LINGER, 0)
+            self.sock.setsockopt(zmq.RCVHWM, 0)
+            self.sock.setsockopt(zmq.SNDHWM, 0)
+            # Disconnects (server killed or restarted) are noticed here; see peer_lost().
+            self._monitor = self.sock.get_monitor_socket(zmq.EVENT_DISCONNECTED)
+            connect_socket(self.sock, client.endpoint)
+        except BaseException:
+            # An open socket would make zmq_context.term() (close) block forever.
+            self.close()
+            raise
         self._inflight: dict[bytes, PendingCall] = {}
         self._parked: dict[bytes, list[Any]] = {}
         #: Fired calls (see fire()) whose acknowledgement has not arrived yet.
@@ -279,25 +290,29 @@ class Channel:
     def close(self) -> None:
         """Close the socket (only from the owning thread or after it is gone)."""
         mon, self._monitor = self._monitor, None
-        try:
-            if mon is not None:
+        if mon is not None:
+            with contextlib.suppress(zmq.ZMQError):
                 self.sock.disable_monitor()
+            with contextlib.suppress(zmq.ZMQError):
                 mon.close(linger=0)
+        with contextlib.suppress(zmq.ZMQError):
             self.sock.close(linger=0)
-        except zmq.ZMQError:  # pragma: no cover - already closed
-            pass
 
 
 class ZmqClient:
     """Control-plane client: per-thread channels over one ZMQ context.
 
     Args:
-        url: ZMQ endpoint, e.g. ``tcp://127.0.0.1:5555``.
+        url: ZMQ endpoint, e.g. ``tcp://127.0.0.1:5555`` (``transport/urls.py``).
         generation: Wire dialect of the server (operation ids).
         timeout: Default seconds every call waits for its reply.
+
+    Raises:
+        InvalidArgumentError: ``url`` is not a ZMQ URL this client can connect to.
     """
 
     def __init__(self, url: str, generation: Generation, timeout: float) -> None:
+        self.endpoint = parse_zmq_url(url)  # before anything is created
         self.url = url
         self.generation = generation
         self.timeout = float(timeout)
@@ -397,6 +412,21 @@ class ZmqClient:
         return ok
 
 
+def connect_socket(sock: zmq.Socket, endpoint: Endpoint | str) -> None:
+    """Connect ``sock`` to the server at ``endpoint`` (IPv6 literals need ``zmq.IPV6``).
+
+    Raises:
+        InvalidArgumentError: ZMQ refuses the address (the socket is left to the caller).
+    """
+    ep = endpoint if isinstance(endpoint, Endpoint) else parse_zmq_url(endpoint)
+    if ep.ipv6:
+        sock.setsockopt(zmq.IPV6, 1)
+    try:
+        sock.connect(ep.url)
+    except zmq.ZMQError as err:
+        raise InvalidArgumentError(f"ZMQ cannot connect to {ep.url!r}: {err}") from err
+
+
 def _thread_alive(ident: int, ch: Channel) -> bool:
     for t in threading.enumerate():
         if t.ident == ident:
@@ -406,5 +436,9 @@ def _thread_alive(ident: int, ch: Channel) -> bool:
 
 
 def decode_any(frame: bytes) -> Any:
-    """Decode an untyped msgpack frame."""
-    return msgspec.msgpack.decode(frame)
+    """Decode an untyped msgpack frame.
+
+    Raises:
+        ProtocolError: Not msgpack, or nested too deeply.
+    """
+    return codec.decode(frame, Any, what="a frame")

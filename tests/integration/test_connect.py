@@ -12,6 +12,7 @@ from conftest import make_model, unique_model_name
 
 import lmcache_kv_fast as lkf
 import lmcache_kv_fast.kvcache as lmc_sdk
+from lmcache_kv_fast.layout import KVLayout
 from lmcache_kv_fast.testing import LMCacheServer, free_port
 
 
@@ -81,6 +82,12 @@ def test_server_log_kept_on_request_and_untuned_malloc(monkeypatch):
     (dict(http_url="ftp://x:1"), "http_url"),
     (dict(model_name=""), "model_name"),
     (dict(model_name="a@b"), "model_name"),
+    (dict(model_name="m\ud800"), "model_name must be valid Unicode"),
+    (dict(model_name="m\ud800", layout=KVLayout(num_layers=2, num_kv_heads=2, head_dim=64,
+                                                dtype="bfloat16")), "model_name"),
+    (dict(copy_threads=100_000), r"copy_threads must be an int in \[1, 1024\]"),
+    (dict(url="tcp://127.0.0.1:1\n"), "url must look like .* ends with a newline"),
+    (dict(url="tcp://*:1"), "wildcard"),
     (dict(timeout=0), "timeout"),
     (dict(timeout=float("nan")), "timeout"),
     (dict(timeout="5"), "timeout"),
