@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import random
 
-BLOCK = 128  # vLLM block size of every engine here
-CHUNK = 256  # LMCache chunk size of the server
-ENGINE_TEST_TIMEOUT = 1200
+from engine_fixtures import BLOCK, CHUNK, ENGINE_TEST_TIMEOUT
+
+__all__ = ["BLOCK", "CHUNK", "ENGINE_TEST_TIMEOUT", "tokens"]
 
 
 def tokens(n: int, seed: int) -> list[int]:
