@@ -40,11 +40,14 @@ from lmcache_kv_fast.errors import (
     KVCacheSDKError,
     LMCacheSDKError,
 )
-from lmcache_kv_fast.layout import KVLayout
+from lmcache_kv_fast.layout import CpuEngineKV, KVLayout
+from lmcache_kv_fast.results import StoreResult
 from lmcache_kv_fast.sdk.cache_kind import LMCacheSDKCacheKind
+from lmcache_kv_fast.sdk.engine_shim import cpu_engine_for
 from lmcache_kv_fast.sdk.qlayout import query_layout
 from lmcache_kv_fast.sdk.urls import normalize_request_url
 from lmcache_kv_fast.transport.http import HttpInfoClient
+from lmcache_kv_fast.validation import check_connect_args, normalize_tokens
 
 logger = logging.getLogger(__name__)
 
@@ -112,10 +115,14 @@ class LMCacheSDKContext:
                 f"model_name must be a non-empty str, got {model_name!r:.80}")
         self._model_name = self._kind.base_model_name(model_name)
         self._url = normalize_request_url(url)
+        check_connect_args(self._url, http_url, self._kind.server_model_name(self._model_name),
+                           timeout, options.get("world_size"), options.get("copy_threads"))
         self._http_url = http_url
         self._timeout = timeout
         self._options = dict(options)
         self._kv: LMCacheKVCacheContext | None = None
+        #: A CPU engine's row converter while the core cannot do it (engine_shim.py).
+        self._cpu: CpuEngineKV | None = None
         self._closed = False
         self.register_caches()
 
@@ -139,11 +146,14 @@ class LMCacheSDKContext:
         if self._kind is LMCacheSDKCacheKind.QUERY and opts.get("layout") is None:
             opts["layout"], ws = self._query_geometry(name)
             opts.setdefault("world_size", ws)
+        elif self._kind is LMCacheSDKCacheKind.KV:
+            found = cpu_engine_for(self._http_url, name,
+                                   min(float(self._timeout), CONNECT_PROBE_TIMEOUT_S), opts)
+            if found is not None:
+                self._cpu, opts = found
         self._kv = LMCacheKVCacheContext(self._url, self._http_url, name, self._timeout, **opts)
 
     def _query_geometry(self, name: str) -> tuple[KVLayout, int]:
-        if not isinstance(self._http_url, str):
-            raise InvalidArgumentError(f"http_url must be a str, got {self._http_url!r:.80}")
         http = HttpInfoClient(self._http_url.rstrip("/"), min(float(self._timeout),
                                                                CONNECT_PROBE_TIMEOUT_S))
         chunk = http.config()["mp"].get("chunk_size")
@@ -192,8 +202,8 @@ class LMCacheSDKContext:
 
     @property
     def layout(self) -> KVLayout:
-        """Geometry of the objects of this kind (one plane for query tensors)."""
-        return self.kv_context.layout
+        """Geometry of the tensors of this kind (one plane for query tensors)."""
+        return self._cpu.token_layout if self._cpu is not None else self.kv_context.layout
 
     @property
     def dtype(self) -> torch.dtype:
@@ -207,6 +217,8 @@ class LMCacheSDKContext:
 
     def tensor_shape(self, tokens: int) -> tuple[int, ...]:
         """Shape :meth:`retrieve` returns for ``tokens`` tokens."""
+        if self._cpu is not None:
+            return tuple(self._cpu.token_layout.tensor_shape(tokens))
         shape = tuple(self.kv_context.kv_shape(tokens))
         return (1, *shape) if self._kind is LMCacheSDKCacheKind.QUERY and len(shape) == 3 \
             else shape
@@ -236,6 +248,8 @@ class LMCacheSDKContext:
                                        **kwargs)
         if got is not None and self._kind is LMCacheSDKCacheKind.QUERY and got.dim() == 3:
             got = got.unsqueeze(0)
+        if got is not None and self._cpu is not None:
+            got = self._cpu.to_tokens(got)
         return got
 
     def store(self, kv: torch.Tensor, tokens: Sequence[int], cache_salt: str = "",
@@ -258,10 +272,30 @@ class LMCacheSDKContext:
             LMCacheSDKError: Bad arguments (``len(tokens)`` differs from the tensor's
                 token dimension, wrong shape or dtype), or the server failed.
         """
+        return self.store_ex(kv, tokens, cache_salt, request_configs, **kwargs).ok
+
+    def store_ex(self, kv: torch.Tensor, tokens: Sequence[int], cache_salt: str = "",
+                 request_configs: dict[str, object] | None = None, **kwargs: Any
+                 ) -> StoreResult:
+        """Store like :meth:`store` and say what happened to every chunk."""
         if not isinstance(kv, torch.Tensor):
             raise InvalidTypeError(f"kv must be a torch.Tensor, got {type(kv).__name__}")
-        return self.kv_context.store(kv, tokens, cache_salt, request_configs=request_configs,
-                                     **kwargs)
+        kv, toks = self.to_server(kv, tokens)
+        return self.kv_context.store_ex(kv, toks, cache_salt, request_configs=request_configs,
+                                        **kwargs)
+
+    def to_server(self, kv: torch.Tensor, tokens: Sequence[int]
+                  ) -> tuple[torch.Tensor, Sequence[int]]:
+        """``(kv, tokens)`` as the core context stores them (a CPU engine's rows: whole chunks)."""
+        if self._cpu is None:
+            return kv, tokens
+        toks = normalize_tokens(tokens)
+        if kv.dim() != 4 or kv.shape[2] != len(toks):
+            raise InvalidArgumentError(
+                f"kv must be per-token K/V [2, L, T, D] with T = len(tokens) = {len(toks)}, "
+                f"got {list(kv.shape)}")
+        n = len(toks) // self.chunk_size * self.chunk_size
+        return self._cpu.to_raw(kv[:, :, :n]), toks[:n]
 
     def close(self) -> None:
         """Unregister and release this context's resources. Idempotent."""

@@ -150,7 +150,7 @@ def _run_group(group: list[StreamModify], fn: ModifyFnType, timeout: float,
     def fetch(_ctx: Any, m: StreamModify) -> tuple[torch.Tensor | None, Sequence[int]]:
         s = m.stream
         res = _waited(m, KV, timeout, poll_interval)
-        kv = sdk_ctx.kv_context.retrieve(s.tokens[: res.hit_tokens], salt)
+        kv = sdk_ctx.retrieve(s.tokens[: res.hit_tokens], salt)
         if kv is None:
             raise LMCacheRequestStreamError(
                 f"stream {s.request_stream_id}: its KV cache ({res.hit_tokens} tokens) was "
@@ -178,7 +178,7 @@ def _run_group(group: list[StreamModify], fn: ModifyFnType, timeout: float,
         m.extra = {}
         new_kv, new_tokens = call_modify_fn(fn, tensors, tokens, m.stream.request_stream_id)
         m.new_tokens = new_tokens
-        return new_kv, new_tokens
+        return sdk_ctx.to_server(new_kv, new_tokens)
 
     def on_result(index: int, status: str, stage: str, reason: str,
                   stages: dict[str, float]) -> None:

@@ -371,7 +371,7 @@ class LMCacheRequestStream:
         """
         ctx = self.context(kind)
         toks = normalize_tokens(tokens)
-        res = ctx.kv_context.store_ex(kv, toks, self.cache_salt)
+        res = ctx.store_ex(kv, toks, self.cache_salt)
         if not res.ok:
             raise LMCacheRequestStreamError(
                 f"stream {self._request_stream_id}: storing the edited {kind.value} cache "
@@ -415,7 +415,7 @@ class LMCacheRequestStream:
         cached = kv.shape[-2]
         new_kv, new_tokens = call_modify_fn(fn, tensors, self.tokens[:cached],
                                             self._request_stream_id)
-        res = kv_ctx.kv_context.store_ex(new_kv, new_tokens, self.cache_salt)
+        res = kv_ctx.store_ex(new_kv, new_tokens, self.cache_salt)
         if not res.ok:
             raise LMCacheRequestStreamError(
                 f"stream {self._request_stream_id}: storing the edit failed: "

@@ -5,7 +5,7 @@ engine through the in-process hook), every 10th token's K/V is dropped from each
 prompt, and the streams decode from the edited cache: the engine reports the edited
 prefixes as external (LMCache) hits, and the greedy outputs equal those of upstream's
 ``lmcache.sdk.batch`` run on the same inputs and engine (upstream needs a harness around
-it on a CPU engine: tests/sdk/upstream_harness.py). An unchanged 0.5.6 program
+it on a CPU engine: lmcache_kv_fast/testing/upstream_cpu.py). An unchanged 0.5.6 program
 (tests/sdk/programs/token_dropping_056.py) runs with either import line.
 
 The runs use distinct cache salts, so no run can read another's edits (vLLM's prefix
@@ -27,8 +27,7 @@ from engine_fixtures import CHUNK
 import lmcache_kv_fast.sdk as lmc_sdk
 from lmcache_kv_fast.layout import select_cpu_kernel
 from lmcache_kv_fast.sdk.hooks import EngineHookError, OpenAICompletions
-
-from .upstream_harness import cpu_engine_kv, upstream_on_cpu_engine
+from lmcache_kv_fast.testing.upstream_cpu import cpu_engine_kv, upstream_on_cpu_engine
 
 upstream = pytest.importorskip("lmcache.sdk")
 
@@ -121,16 +120,17 @@ def test_decode_reads_the_edited_prefixes_as_external_hits(ours, prompts):
     assert pre.to_dict()["metrics"]["results"]["input_tokens"] == sum(map(len, prompts))
 
 
-def _reference_hook(vllm_url: str, model: str):
+def _upstream_program():
     spec = importlib.util.spec_from_file_location("token_dropping_056", PROGRAM)
     mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)  # imports lmcache.sdk: the upstream program's own hook
-    return mod.make_post_completion(vllm_url, model)
+    spec.loader.exec_module(mod)  # imports lmcache.sdk: the upstream program's hook and edit
+    return mod
 
 
 def test_greedy_outputs_equal_upstream_batch(ours, openai_engine, engine_server, model_name,
                                              prompts):
-    hook = _reference_hook(openai_engine.url, model_name)
+    prog = _upstream_program()
+    hook = prog.make_post_completion(openai_engine.url, model_name)
     with upstream_on_cpu_engine(engine_server.url, model_name,
                                 cpu_engine_kv(model_name, kernel())):
         ctx = upstream.connect(upstream.LMCacheSDKCacheKind.KV, engine_server.url,
@@ -142,7 +142,7 @@ def test_greedy_outputs_equal_upstream_batch(ours, openai_engine, engine_server,
             for s in streams:
                 batch.add(s)
             batch.prefill(SP)
-            batch.modify(drop_every_10th)
+            batch.modify(prog.drop_every_10th)
             batch.decode({**SP, "max_tokens": MAX_TOKENS})
         finally:
             ctx.close()
@@ -171,8 +171,8 @@ def test_existing_056_program_runs_unchanged(tmp_path, openai_engine, engine_ser
         assert "Batched Stream Modify Metrics" in proc.stdout  # .emit() printed the reports
         return json.loads(out.read_text())["tokens"]
 
-    theirs = run([sys.executable, str(HERE / "upstream_harness.py"), engine_server.url,
-                  model_name, kernel(), str(PROGRAM)], "prog-upstream")
+    theirs = run([sys.executable, "-m", "lmcache_kv_fast.testing.upstream_cpu",
+                  engine_server.url, model_name, kernel(), str(PROGRAM)], "prog-upstream")
     before = external_hits(openai_engine.metrics())
     mine = run([sys.executable, str(ported)], "prog-ours")
     hits = external_hits(openai_engine.metrics()) - before

@@ -36,6 +36,8 @@ from .servers import machine_description
 from .sizes import QUICK, SHM_CAP_GIB, MiB, Sizes, kv_nbytes, shm_l1_gib
 from .stats import add_ratios, rows_of
 from .targets import compute_targets, print_targets, reduced_sizes
+from .w6 import add_w6_args, run_w6
+from .w6 import write_json as write_w6_json
 from .workloads import WORKLOADS
 
 
@@ -94,6 +96,7 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--reps", type=int, help="timed reps of W1 ops")
     g.add_argument("--warmup", type=int, help="untimed warm-up reps")
     g.add_argument("--ic-reps", type=int, help="fresh interpreters per import+connect kind")
+    add_w6_args(ap)
     g = ap.add_argument_group("output")
     g.add_argument("--json", metavar="PATH", help="write every sample and the machine here")
     g.add_argument("--plot", metavar="PATH.png", help="bar chart + W2 latency CDF (matplotlib)")
@@ -145,6 +148,11 @@ def main(argv: list[str]) -> int:
         raise SystemExit("--url and --http-url (and --pickle-url / --pickle-http-url) go together")
     t_start = time.perf_counter()
     with _sigterm_as_interrupt():
+        if args.w6:
+            doc = run_w6(args)
+            if args.json:
+                write_w6_json(doc, args.json)
+            return 0
         return _main(args, t_start)
 
 

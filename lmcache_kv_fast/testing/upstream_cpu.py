@@ -1,6 +1,7 @@
 """What upstream 0.5.6's ``lmcache.sdk`` needs around it to run against a CPU vLLM engine.
 
-Used to get reference runs of upstream's stream and batch code on the real engine:
+Used for reference runs of upstream's stream and batch code on the real engine (the sdk
+engine tests, bench W6); it imports ``lmcache`` only when used:
 
 1. ``register_caches`` reads only lmcache-driven (GPU-style) registrations
    (``/status`` ``cache_context_meta``); a CPU engine registers engine-driven, so a
@@ -13,8 +14,8 @@ Used to get reference runs of upstream's stream and batch code on the real engin
    slices 4-D tensors and cannot store one-plane objects, so the rows go through
    upstream's own engine-driven context with one-plane slices (its code otherwise).
 
-Run a program under it with ``python upstream_harness.py URL MODEL KERNEL program.py
-args...`` or use :func:`upstream_on_cpu_engine` in-process.
+Run a program under it with ``python -m lmcache_kv_fast.testing.upstream_cpu URL MODEL
+KERNEL program.py args...`` or use :func:`upstream_on_cpu_engine` in-process.
 """
 
 from __future__ import annotations
@@ -24,8 +25,6 @@ import runpy
 import sys
 import uuid
 from collections.abc import Iterator
-
-import torch
 
 from lmcache_kv_fast.layout import CpuEngineKV, KVLayout
 from lmcache_kv_fast.testing import register_vllm_layout
@@ -81,9 +80,8 @@ def cpu_engine_kv(model_dir: str, kernel: str, block_size: int = 128) -> CpuEngi
 
 
 def main() -> None:
-    """``upstream_harness.py URL MODEL KERNEL PROGRAM ARGS...``: run PROGRAM under the harness."""
+    """``upstream_cpu URL MODEL KERNEL PROGRAM ARGS...``: run PROGRAM under the harness."""
     url, model, kernel, program, *args = sys.argv[1:]
-    torch.set_num_threads(max(1, torch.get_num_threads()))
     with upstream_on_cpu_engine(url, model, cpu_engine_kv(model, kernel)):
         sys.argv = [program, *args]
         runpy.run_path(program, run_name="__main__")
