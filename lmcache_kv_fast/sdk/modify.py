@@ -29,14 +29,13 @@ from lmcache_kv_fast.sdk.request import (
     LMCacheRequestStreamError,
     call_modify_fn,
 )
-from lmcache_kv_fast.sdk.wait import WaitResult
 
 logger = logging.getLogger(__name__)
 
 __all__ = ["DEFAULT_MAX_IN_FLIGHT", "ModifyOutcome", "StreamModify", "modify_streams"]
 
 #: Streams between their read and their store at once, by default.
-DEFAULT_MAX_IN_FLIGHT = 4
+DEFAULT_MAX_IN_FLIGHT = 2
 KV = LMCacheSDKCacheKind.KV
 
 
@@ -120,19 +119,21 @@ def modify_streams(streams: Sequence[LMCacheRequestStream], fn: ModifyFnType, *,
     return out
 
 
-def _waited(m: StreamModify, kind: LMCacheSDKCacheKind, timeout: float,
-            poll_interval: float) -> WaitResult:
-    """Wait for one kind of the stream's cache; the wait is counted even when it fails."""
+def _read(m: StreamModify, kind: LMCacheSDKCacheKind, timeout: float,
+          poll_interval: float) -> torch.Tensor:
+    """Read one kind of the stream's cache; the wait is counted even when it fails."""
     try:
-        res = m.stream.wait_cached(kind, timeout, poll_interval)
+        t, res = m.stream.read_cached(kind, timeout, poll_interval)
     except LMCacheRequestStreamError as err:
         if err.wait is not None:
             m.wait_s += err.wait.seconds
             m.lookups += err.wait.lookups
         raise
-    m.wait_s += res.seconds
+    if res.lookups:
+        m.wait_s += res.seconds
     m.lookups += res.lookups
-    return res
+    m.nbytes += _nbytes(t)
+    return t
 
 
 def _nbytes(t: torch.Tensor) -> int:
@@ -149,25 +150,11 @@ def _run_group(group: list[StreamModify], fn: ModifyFnType, timeout: float,
 
     def fetch(_ctx: Any, m: StreamModify) -> tuple[torch.Tensor | None, Sequence[int]]:
         s = m.stream
-        res = _waited(m, KV, timeout, poll_interval)
-        kv = sdk_ctx.retrieve(s.tokens[: res.hit_tokens], salt)
-        if kv is None:
-            raise LMCacheRequestStreamError(
-                f"stream {s.request_stream_id}: its KV cache ({res.hit_tokens} tokens) was "
-                "evicted before it could be read")
-        m.nbytes += _nbytes(kv)
+        kv = _read(m, KV, timeout, poll_interval)
         m.kv_nbytes = _nbytes(kv)
         for kind in s.contexts:
-            if kind is KV:
-                continue
-            w = _waited(m, kind, timeout, poll_interval)
-            t = s.context(kind).retrieve(s.tokens[: w.hit_tokens], salt)
-            if t is None:
-                raise LMCacheRequestStreamError(
-                    f"stream {s.request_stream_id}: its {kind.value} cache was evicted "
-                    "before it could be read")
-            m.extra[kind] = t
-            m.nbytes += _nbytes(t)
+            if kind is not KV:
+                m.extra[kind] = _read(m, kind, timeout, poll_interval)
         m.cached_len = kv.shape[-2]
         by_kv[id(kv)] = m
         return kv, s.tokens[: m.cached_len]

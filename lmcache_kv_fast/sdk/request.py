@@ -305,6 +305,15 @@ class LMCacheRequestStream:
         """Tokens of the stream whose cache should be on the server (whole chunks or not)."""
         return min(self._stored_upto, len(self.tokens))
 
+    def _target(self, ctx: LMCacheSDKContext, kind: LMCacheSDKCacheKind) -> int:
+        target = self.expected_cached_tokens() // ctx.chunk_size * ctx.chunk_size
+        if target == 0:
+            raise LMCacheRequestStreamError(
+                f"stream {self._request_stream_id}: fewer than one chunk ({ctx.chunk_size} "
+                f"tokens) of it was sent to the engine ({self.expected_cached_tokens()} "
+                f"tokens): no {kind.value} cache to read (run prefill() first)")
+        return target
+
     def wait_cached(self, kind: LMCacheSDKCacheKind, timeout: float = 30.0,
                     poll_interval: float = 0.2) -> WaitResult:
         """Wait (lookups with back-off) until the engine's store of this stream is visible.
@@ -314,13 +323,8 @@ class LMCacheRequestStream:
         """
         ctx = self.context(kind)
         _check_wait_args(timeout, poll_interval)
-        target = self.expected_cached_tokens()
-        if target < ctx.chunk_size:
-            raise LMCacheRequestStreamError(
-                f"stream {self._request_stream_id}: fewer than one chunk ({ctx.chunk_size} "
-                f"tokens) of it was sent to the engine ({target} tokens): no {kind.value} "
-                "cache to read (run prefill() first)")
-        res = wait_for_prefix(ctx, self.tokens, self.cache_salt, target, timeout, poll_interval)
+        res = wait_for_prefix(ctx, self.tokens, self.cache_salt, self._target(ctx, kind),
+                              timeout, poll_interval)
         if res.hit_tokens == 0:
             err = LMCacheRequestStreamError(
                 f"no cached {kind.value} for stream {self._request_stream_id} after "
@@ -333,6 +337,38 @@ class LMCacheRequestStream:
                            self._request_stream_id, kind.value, res.hit_tokens,
                            res.target_tokens, res.reason)
         return res
+
+    def read_cached(self, kind: LMCacheSDKCacheKind, timeout: float = 30.0,
+                    poll_interval: float = 0.2) -> tuple[torch.Tensor, WaitResult]:
+        """Read the stream's cache of ``kind`` once the engine's store is visible.
+
+        The first attempt is a plain read of the expected prefix (in the usual case the
+        store landed long ago and nothing else is sent); when it finds less, lookups with
+        back-off wait for the rest (:meth:`wait_cached`) and the prefix is read again.
+
+        Returns:
+            ``(tensor, wait)``: the cached prefix and what the wait took (no lookups
+            when the first read was complete).
+
+        Raises:
+            LMCacheRequestStreamError: Nothing cached within ``timeout``, or the cache was
+                evicted between the wait and the read.
+        """
+        ctx = self.context(kind)
+        _check_wait_args(timeout, poll_interval)
+        target = self._target(ctx, kind)
+        t0 = time.monotonic()
+        got = ctx.retrieve(self.tokens[:target], self.cache_salt)
+        if got is not None and got.shape[-2] >= target:
+            return got, WaitResult(target, target, 0, time.monotonic() - t0, "complete")
+        del got
+        res = self.wait_cached(kind, max(0.0, timeout - (time.monotonic() - t0)), poll_interval)
+        got = ctx.retrieve(self.tokens[: res.hit_tokens], self.cache_salt)
+        if got is None:
+            raise LMCacheRequestStreamError(
+                f"stream {self._request_stream_id}: its {kind.value} cache "
+                f"({res.hit_tokens} tokens) was evicted before it could be read")
+        return got, res
 
     def retrieve(self, kind: LMCacheSDKCacheKind, timeout: float = 30.0,
                  poll_interval: float = 0.2) -> torch.Tensor:
@@ -349,13 +385,7 @@ class LMCacheRequestStream:
         Raises:
             LMCacheRequestStreamError: Nothing cached within ``timeout``.
         """
-        res = self.wait_cached(kind, timeout, poll_interval)
-        got = self.context(kind).retrieve(self.tokens[: res.hit_tokens], self.cache_salt)
-        if got is None:
-            raise LMCacheRequestStreamError(
-                f"stream {self._request_stream_id}: its {kind.value} cache "
-                f"({res.hit_tokens} tokens) was evicted before it could be read")
-        return got
+        return self.read_cached(kind, timeout, poll_interval)[0]
 
     def update(self, kind: LMCacheSDKCacheKind, kv: torch.Tensor, tokens: Sequence[int]) -> None:
         """Store an edited cache and make the stream's tokens the ones it backs.

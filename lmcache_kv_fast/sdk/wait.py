@@ -3,9 +3,11 @@
 After a prefill the engine stores the prompt's whole chunks asynchronously, so the
 stream's first read may come before they are on the server. Upstream 0.5.6 polls with a
 full ``retrieve`` (lookup + prepare + copy of the whole prefix) every 0.2 s and takes the
-first non-empty answer, which can be a partial prefix of a store still landing. Here a
-lookup (no data moved) is repeated with a doubling delay (2 ms up to ``poll_interval``)
-until the prefix the engine is expected to store is there; the data is then read once.
+first non-empty answer, which can be a partial prefix of a store still landing. Here the
+stream reads the expected prefix once (``LMCacheRequestStream.read_cached``: usually the
+store landed long ago and that read is all); when it finds less, a lookup (no data
+moved) is repeated with a doubling delay (2 ms up to ``poll_interval``) until the prefix
+the engine is expected to store is there, and the data is read again.
 
 The expected prefix is the whole chunks of the prompt the engine computed last (a
 vLLM LMCache connector stores complete prompt chunks only). If fewer chunks appear and

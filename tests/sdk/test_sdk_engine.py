@@ -216,3 +216,21 @@ def test_openai_hook_errors_are_clear(openai_engine, model_name):
     ids = [e.token_id for e in st]
     assert len(ids) == 3 and st.finish_reason == "length"
     assert st.prompt_tokens == 300 and st.num_cached_tokens is not None
+
+
+def test_bench_w6_quick(openai_engine, engine_server, model_name):
+    """``bench --w6 --quick`` on the shared engine: both sides run, the report is complete."""
+    from lmcache_kv_fast.testing.bench.cli import build_parser
+    from lmcache_kv_fast.testing.bench.w6 import run_w6
+
+    args = build_parser().parse_args([
+        "--w6", "--quick", "--url", engine_server.url, "--http-url", engine_server.http_url,
+        "--w6-vllm-url", openai_engine.url, "--w6-model", model_name, "--w6-streams", "3"])
+    doc = run_w6(args)
+    assert {r["side"] for r in doc["runs"]} == {"ours", "upstream"}
+    for side in ("ours", "upstream"):
+        v = doc["sides"][side]
+        assert v["prefill_s"] > 0 and v["modify_s"] > 0 and v["decode_s"] > 0
+        assert v["modify_rss_growth"] >= 0
+        assert v["external_hits"] >= 3 * 256  # the decode read the edited prefixes
+    assert set(doc["targets"]) == {"modify_speedup", "modify_rss_ratio"}

@@ -127,11 +127,12 @@ def _external_hits(vllm_url: str) -> float:
 
 
 def _worker(cfg: dict[str, Any], timeout: float = 1800.0) -> dict[str, Any]:
-    cmd = [sys.executable, "-m", "lmcache_kv_fast.testing.bench.w6_worker", json.dumps(cfg)]
+    cmd = [sys.executable, "-m", "lmcache_kv_fast.testing.bench.w6_worker", "-"]
     env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
     env.setdefault("LMCACHE_TRACK_USAGE", "false")
     env.setdefault("DO_NOT_TRACK", "1")
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env)
+    proc = subprocess.run(cmd, input=json.dumps(cfg), capture_output=True, text=True,
+                          timeout=timeout, env=env)
     for line in proc.stdout.splitlines():
         if line.startswith("W6RESULT "):
             return dict(json.loads(line[len("W6RESULT "):]))

@@ -1,6 +1,6 @@
 """W6 worker: one side's prefill → modify → decode on the real engine, in its own process.
 
-``python -m lmcache_kv_fast.testing.bench.w6_worker CONFIG_JSON`` prints one line
+``python -m lmcache_kv_fast.testing.bench.w6_worker -`` (the JSON config on stdin) prints one line
 ``W6RESULT {json}``. The side is ``ours`` (``lmcache_kv_fast.sdk``) or ``upstream``
 (``lmcache.sdk`` 0.5.6, run with what it needs on a CPU engine:
 :mod:`lmcache_kv_fast.testing.upstream_cpu`). Both use the same engine hook
@@ -101,7 +101,9 @@ def run(cfg: dict[str, Any]) -> dict[str, Any]:
     else:
         import lmcache_kv_fast.sdk as sdk  # type: ignore[no-redef]
 
-        batch_kw = {"max_in_flight": int(cfg.get("max_in_flight", 4)), "progress": False}
+        batch_kw = {"progress": False}
+        if cfg.get("max_in_flight"):
+            batch_kw["max_in_flight"] = int(cfg["max_in_flight"])
     with stack:
         kind = sdk.LMCacheSDKCacheKind.KV
         ctx = sdk.connect(kind, cfg["url"], cfg["http_url"], cfg["model"])
@@ -138,8 +140,8 @@ def run(cfg: dict[str, Any]) -> dict[str, Any]:
 
 
 def main() -> None:
-    """Run the side given by ``argv[1]`` (JSON) and print its result line."""
-    cfg = json.loads(sys.argv[1])
+    """Run the side configured on stdin (``-``) or in ``argv[1]`` (JSON); print its result."""
+    cfg = json.loads(sys.stdin.read() if sys.argv[1] == "-" else sys.argv[1])
     torch.set_num_threads(int(cfg.get("torch_threads") or torch.get_num_threads()))
     res = run(cfg)
     sys.stdout.write("W6RESULT " + json.dumps(res) + "\n")
