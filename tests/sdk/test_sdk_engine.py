@@ -231,6 +231,7 @@ def test_bench_w6_quick(openai_engine, engine_server, model_name):
     for side in ("ours", "upstream"):
         v = doc["sides"][side]
         assert v["prefill_s"] > 0 and v["modify_s"] > 0 and v["decode_s"] > 0
-        assert v["modify_rss_growth"] >= 0
+        assert v["modify_rss_growth"] >= 0 and v["modify_private_growth"] >= 0
         assert v["external_hits"] >= 3 * 256  # the decode read the edited prefixes
-    assert set(doc["targets"]) == {"modify_speedup", "modify_rss_ratio"}
+    assert set(doc["targets"]) == {"modify_speedup", "modify_rss_ratio",
+                                   "modify_private_rss_ratio"}

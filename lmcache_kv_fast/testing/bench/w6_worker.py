@@ -36,41 +36,53 @@ def _status_kib(field: str) -> int:
 
 
 class PeakRss:
-    """Peak RSS growth of a block, in bytes (``VmHWM`` reset, else sampled)."""
+    """Peak RSS growth of a block, in bytes: all of it and its private part.
+
+    ``growth``: peak RSS (``VmHWM``, reset through ``clear_refs``; sampled ``VmRSS`` where
+    that cannot be written) minus RSS at the start. It includes the pages of the
+    server's SHM pool the process touched (``RssShmem``: the server's memory, mapped by
+    both SDKs, not new memory of the machine). ``private``: peak of the private part
+    (``RssAnon``, sampled every millisecond) minus its start value.
+    """
 
     def __init__(self) -> None:
         self.growth = 0
+        self.private = 0
         self.method = ""
         self._stop = threading.Event()
         self._peak = 0
+        self._peak_anon = 0
 
     def __enter__(self) -> PeakRss:
         gc.collect()
         self.base = _status_kib("VmRSS")
+        self.base_anon = self._peak_anon = _status_kib("RssAnon")
+        self._peak = self.base
         try:
             with open("/proc/self/clear_refs", "w") as f:
                 f.write("5")
             self.method = "VmHWM"
         except OSError:
             self.method = "sampled"
-            self._peak = self.base
-            self._thread = threading.Thread(target=self._sample, daemon=True)
-            self._thread.start()
+        self._thread = threading.Thread(target=self._sample, daemon=True)
+        self._thread.start()
         return self
 
     def _sample(self) -> None:
         while not self._stop.is_set():
-            self._peak = max(self._peak, _status_kib("VmRSS"))
-            time.sleep(0.002)
+            self._peak_anon = max(self._peak_anon, _status_kib("RssAnon"))
+            if self.method == "sampled":
+                self._peak = max(self._peak, _status_kib("VmRSS"))
+            time.sleep(0.001)
 
     def __exit__(self, *exc: object) -> None:
-        if self.method == "VmHWM":
-            peak = _status_kib("VmHWM")
-        else:
-            self._stop.set()
-            self._thread.join()
-            peak = max(self._peak, _status_kib("VmRSS"))
+        self._stop.set()
+        self._thread.join()
+        self._peak_anon = max(self._peak_anon, _status_kib("RssAnon"))
+        peak = _status_kib("VmHWM") if self.method == "VmHWM" else \
+            max(self._peak, _status_kib("VmRSS"))
         self.growth = max(0, peak - self.base) * 1024
+        self.private = max(0, self._peak_anon - self.base_anon) * 1024
 
 
 def drop_every(n: int, kv_kind: Any) -> Callable[..., Any]:
@@ -122,7 +134,7 @@ def run(cfg: dict[str, Any]) -> dict[str, Any]:
             fn = drop_every(int(cfg["drop_every"]), kind)
             with PeakRss() as rss:
                 t = time.perf_counter()
-                batch.modify(fn)
+                report = batch.modify(fn)
                 modify_s = time.perf_counter() - t
             t = time.perf_counter()
             batch.decode({**sp, "max_tokens": int(cfg["max_tokens"])})
@@ -132,8 +144,10 @@ def run(cfg: dict[str, Any]) -> dict[str, Any]:
                 "prompt_tokens": sum(len(p) for p in cfg["prompts"]),
                 "import_connect_s": import_connect_s, "prefill_s": prefill_s,
                 "modify_s": modify_s, "decode_s": decode_s,
-                "modify_rss_growth": rss.growth, "rss_method": rss.method,
+                "modify_rss_growth": rss.growth, "modify_private_growth": rss.private,
+                "rss_method": rss.method,
                 "tokens": [list(s.tokens) for s in streams],
+                "modify_report": report.to_dict(),
             }
         finally:
             ctx.close()
