@@ -3,9 +3,11 @@
 :class:`LMCacheKVCacheContext` checks the arguments of every call
 (``lmcache_kv_fast/validation.py``) and hands the call to the module of its concern:
 
-* ``client/handshake.py`` connects (``/config``, ``/version``, ``noop``, ``/status``,
-  registration); ``client/session.py`` holds the shared state, guards every operation and
-  tears down; ``client/liveness.py`` runs the background thread (pings, acknowledgements).
+* ``client/handshake.py`` connects (``/config``, ``/version``, ``noop``, ``/status``, the
+  reader and writer registrations); ``client/session.py`` holds the shared state, guards
+  every operation and tears down; ``client/liveness.py`` runs the background thread
+  (pings, writer refresh, acknowledgements, late replies); ``client/late.py`` finishes
+  what timed-out operations left on the server (``docs/guarantees.md``).
 * ``client/lookup.py``: ``lookup`` → ``wait_prefetch_status`` (read-locks the hit prefix).
 * ``client/retrieve.py``: lookup → ``prepare_retrieve`` (one per shard) → gather →
   ``commit_retrieve`` → ``end_session``, the last two sent without waiting for their
@@ -21,9 +23,9 @@ Results are :class:`~lmcache_kv_fast.results.StoreResult` and
 
 from __future__ import annotations
 
-import contextlib
 import sys
 import time
+import weakref
 from collections.abc import Sequence
 from operator import attrgetter
 from typing import Any
@@ -125,8 +127,7 @@ class LMCacheKVCacheContext:
         read_hints: bool = True,
     ) -> None:
         check_connect_args(url, http_url, model_name, timeout, world_size, copy_threads)
-        s = self._session = Session(url, http_url.rstrip("/"), model_name, float(timeout),
-                                    owner=self)
+        s = self._session = Session(url, http_url.rstrip("/"), model_name, float(timeout))
         self._hints = ReadHints(s, bool(read_hints))
         self._retrieval = RetrieveFlow(s, self._hints)
         self._storing = StoreFlow(s, self._hints)
@@ -139,6 +140,9 @@ class LMCacheKVCacheContext:
         except BaseException:
             s.teardown()
             raise
+        # Nothing of the session refers back to the context (the background thread holds
+        # the session): a context dropped without close() is collected, then closed.
+        self._finalizer = weakref.finalize(self, s.collected)
 
     # ------------------------------------------------------------------ properties
     @property
@@ -168,8 +172,22 @@ class LMCacheKVCacheContext:
 
     @property
     def instance_id(self) -> int:
-        """This client's engine-driven instance id on the server (random, 63 bits)."""
+        """This client's engine-driven instance id on the server (random, 63 bits).
+
+        The *reader* registration: lookups and retrieves use it; the heartbeat pings it.
+        """
         return self._session.instance_id
+
+    @property
+    def writer_instance_id(self) -> int:
+        """The engine-driven instance id this client's stores use (random, 63 bits).
+
+        A second registration on the SHM plane, never pinged, so that a client that dies
+        in the middle of a store is reaped only after the server's registration grace,
+        when its unfilled reservation can no longer be admitted (``docs/guarantees.md``).
+        Equal to :attr:`instance_id` on the pickle plane. ``/status`` lists both.
+        """
+        return self._session.writer_id
 
     @property
     def generation(self) -> Generation:
@@ -350,13 +368,19 @@ class LMCacheKVCacheContext:
 
     # ------------------------------------------------------------------ close
     def close(self) -> None:
-        """Unregister, unmap and close the sockets. Idempotent.
+        """Settle, unregister, unmap and close the sockets. Idempotent.
 
-        Waits (up to ``timeout``) for operations still running on other threads. The
-        registration is only dropped when no prepared store is left uncommitted (the
-        server would admit its slots as data, doc §3.2). In a child process after
-        ``fork()`` it does nothing (everything it would release is the parent's).
+        Waits (up to ``timeout``) for operations still running on other threads, then
+        (for at most ``min(timeout, 5 s)``) for the late replies of operations that timed
+        out, finishing what they left on the server (``client/late.py``). The writer
+        registration is only dropped when no reservation of a failed store can be pending
+        (the server would admit its slots as data, doc §3.2). In a
+        child process after ``fork()`` it does nothing (everything it would release is
+        the parent's).
         """
+        fin = getattr(self, "_finalizer", None)
+        if fin is not None:
+            fin.detach()
         self._session.close()
 
     def __enter__(self) -> LMCacheKVCacheContext:
@@ -364,12 +388,6 @@ class LMCacheKVCacheContext:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
-
-    def __del__(self) -> None:
-        s = getattr(self, "_session", None)
-        if s is not None and not s.closed and not s.in_other_process():
-            with contextlib.suppress(Exception):
-                self.close()
 
     def _check_process(self) -> None:
         """Raise KVCacheSDKError when used in a process other than the creating one.

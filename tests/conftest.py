@@ -9,6 +9,7 @@ from __future__ import annotations
 import itertools
 import os
 import random
+import signal
 import threading
 import uuid
 from collections.abc import Callable, Iterator
@@ -30,6 +31,16 @@ from engine_fixtures import (  # noqa: F401 - fixtures shared by tests/engine an
 from lmcache_kv_fast.testing import LMCacheServer, register_vllm_layout
 
 _MODEL_COUNTER = itertools.count()
+
+
+def _terminate(signum: int, frame: object) -> None:
+    raise KeyboardInterrupt(f"pytest got signal {signum}")
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    """A SIGTERM (CI timeout, ``kill``) stops pytest like Ctrl-C: every fixture's teardown
+    still runs, so no server, engine, Ray cluster or SHM segment outlives the run."""
+    signal.signal(signal.SIGTERM, _terminate)
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:

@@ -4,7 +4,10 @@
   serialisation, registration checks, close.
 * ``handshake.py``: connecting (``/config``, ``/version``, ``noop``, ``/status``,
   registration).
-* ``liveness.py``: the background thread (heartbeat pings, release acknowledgements).
+* ``liveness.py``: the background thread (heartbeat pings, writer refresh, release
+  acknowledgements, late replies).
+* ``late.py``: what a timed-out operation still owes the server, settled as its late
+  replies arrive (on the retired channel, by the background thread and ``close()``).
 * ``lookup.py``, ``retrieve.py``, ``store.py``: the operations' wire flows.
 * ``read_hints.py``: the retrieve's speculative gather from where a prefix lay last time.
 

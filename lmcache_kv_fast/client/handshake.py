@@ -2,13 +2,15 @@
 
 :func:`handshake` checks that the server can serve this SDK (transfer mode, transport,
 wire dialect), finds the model's KV layout (the vLLM registration in ``/status``, or the
-caller's explicit one, checked against it), registers an engine-driven context and maps
+caller's explicit one, checked against it), registers the engine-driven reader instance
+and, on the SHM plane, the writer instance (``client/session.py`` says why two), and maps
 the server's SHM pool when it offers one (else the pickle plane is used).
 """
 
 from __future__ import annotations
 
 import logging
+import threading
 from typing import Any
 
 from lmcache_kv_fast.client.state import SessionState
@@ -34,6 +36,12 @@ logger = logging.getLogger(__name__)
 
 #: connect() probes give up after this long for an unreachable peer.
 CONNECT_PROBE_TIMEOUT_S = 5.0
+#: The writer's registration grace must outlast its reservations' write TTL by this much
+#: for a dead client's unfilled reservation never to be admitted (docs/guarantees.md).
+GRACE_MARGIN_S = 10.0
+
+_warned_servers: set[str] = set()
+_warned_lock = threading.Lock()
 
 
 def handshake(s: SessionState, layout: KVLayout | None, world_size: int | None) -> None:
@@ -69,6 +77,7 @@ def handshake(s: SessionState, layout: KVLayout | None, world_size: int | None) 
     workers = mp.get("max_cpu_workers") or mp.get("max_workers") or 1
     s.fifo_normal_pool = workers == 1
     s.align = _align_from_config(cfg)
+    _liveness_from_config(s, cfg)
 
     s.zmq = ZmqClient(s.url, gen, s.timeout)
     try:
@@ -176,8 +185,66 @@ def _register(s: SessionState) -> None:
         s.shm = ShmPlane(s.backend, resp.shm_name, resp.pool_size, s.align)
         s.transport = "shm"
         _check_chunk_fits(s.geom.chunk_nbytes, resp.pool_size, "the server's SHM pool")
+        _register_writer(s, payload)
     else:
         s.transport = "pickle"
+        s.writer_id = s.instance_id  # nothing is reserved across calls: one registration
+
+
+def _register_writer(s: SessionState, reader: RegisterEngineDrivenContextPayload) -> None:
+    """Register the writer instance (SHM plane): stores only, never pinged."""
+    assert s.zmq is not None
+    payload = RegisterEngineDrivenContextPayload(**{
+        f: getattr(reader, f) for f in reader.__struct_fields__})
+    payload.instance_id = s.writer_id
+    try:
+        s.zmq.call(Op.REGISTER_ENGINE_DRIVEN, [payload], RegisterEngineDrivenContextResponse)
+    except ServerTimeoutError as err:
+        raise KVCacheSDKError(
+            f"register_kv_cache_engine_driven_context (writer) on {s.url} got no reply: the "
+            "server refused the registration (see its log)"
+        ) from err
+    s.writer_registered = True
+    s.writer_payload = payload
+    _check_crash_guarantee(s)
+
+
+def _liveness_from_config(s: SessionState, cfg: dict[str, Any]) -> None:
+    """Read the reaper and TTL settings (doc §3.11, §3.15); keep the defaults if absent."""
+    mp = cfg["mp"]
+    try:
+        l1 = cfg["storage_manager"]["l1_manager_config"]
+    except (KeyError, TypeError):
+        l1 = {}
+    for attr, where, name in (
+        ("reap_timeout_s", mp, "worker_reap_timeout_seconds"),
+        ("registration_grace_s", mp, "worker_registration_grace_seconds"),
+        ("write_ttl_s", l1, "write_ttl_seconds"),
+        ("read_ttl_s", l1, "read_ttl_seconds"),
+    ):
+        v = where.get(name) if isinstance(where, dict) else None
+        if isinstance(v, (int, float)) and not isinstance(v, bool) and 0 <= v < 1e9:
+            setattr(s, attr, float(v))
+
+
+def _check_crash_guarantee(s: SessionState) -> None:
+    """Warn (once per server) when a dead client's reservation could be admitted."""
+    if s.reap_timeout_s <= 0:
+        return  # never reaped: the writer is only ever unregistered by close()
+    if s.registration_grace_s >= s.write_ttl_s + GRACE_MARGIN_S:
+        return
+    with _warned_lock:
+        if s.http_url in _warned_servers:
+            return
+        _warned_servers.add(s.http_url)
+    logger.warning(
+        "LMCache server at %s reaps a silent never-pinged instance after %gs "
+        "(--worker-registration-grace-seconds) but store reservations live %gs "
+        "(--l1-write-ttl-seconds): if a client dies between reserving and committing a "
+        "store, the reaper may admit the unwritten slots as cached KV (docs/guarantees.md). "
+        "Start the server with a grace above the write TTL + %gs to close that window",
+        s.http_url, s.registration_grace_s, s.write_ttl_s, GRACE_MARGIN_S,
+    )
 
 
 def _positive_int(v: Any, what: str) -> int:

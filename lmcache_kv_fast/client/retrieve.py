@@ -6,25 +6,33 @@ waiting for their replies (``transport/releases.py``): the data is in the caller
 once the gather finished. The lookup locks of shards that were not read are released with
 ``free_lookup_locks`` on every failure path (doc §11 #14). Read hints
 (``client/read_hints.py``) may copy the chunks while ``prepare_retrieve`` is answered.
+
+When ``prepare_retrieve`` times out it may still run later and record pending reads, so
+nothing is released blindly (a ``free_lookup_locks`` racing a late successful prepare would
+release a lock twice, maybe another reader's): the channel is retired with an obligation
+(``client/late.py``) that waits for each late reply, then commits a shard that was
+prepared or frees the lookup locks of one that was not, and ends the session.
 """
 
 from __future__ import annotations
 
+import time
 import warnings
 from collections.abc import Hashable, Sequence
 from typing import TYPE_CHECKING, Any
 
 import torch
 
-from lmcache_kv_fast.client.lookup import free_locks, lookup_chunks
+from lmcache_kv_fast.client.late import Obligation, Settler
+from lmcache_kv_fast.client.lookup import LATE_MARGIN_S, free_locks, lookup_chunks
 from lmcache_kv_fast.client.read_hints import ReadHints
 from lmcache_kv_fast.copy import Region
 from lmcache_kv_fast.dataplane.pickle_fast import locate_chunks
 from lmcache_kv_fast.dataplane.pickle_plane import safe_loads_chunks
-from lmcache_kv_fast.errors import ProtocolError
+from lmcache_kv_fast.errors import ProtocolError, ServerTimeoutError
 from lmcache_kv_fast.protocol.ops import Op
-from lmcache_kv_fast.protocol.types import PrepareRetrieveResponse, Slot
-from lmcache_kv_fast.transport.zmq_client import Channel
+from lmcache_kv_fast.protocol.types import IPCCacheServerKey, PrepareRetrieveResponse, Slot
+from lmcache_kv_fast.transport.zmq_client import Channel, PendingCall
 
 if TYPE_CHECKING:
     from lmcache_kv_fast.client.session import Session
@@ -70,8 +78,9 @@ class RetrieveFlow:
                             commits.clear()
             finally:
                 # commit_retrieve (affinity pool) touches the session: with commits, the
-                # session ends once they were acknowledged (DeferredReleases)
-                if not commits:
+                # session ends once they were acknowledged (DeferredReleases); a timed-out
+                # retrieve's session is ended by its late-reply settler
+                if not commits and not ch.retired:
                     s.end_session(ch, rid)
 
     def _fetch(self, ch: Channel, toks: list[int], rid: str, salt: str, n: int,
@@ -98,6 +107,13 @@ class RetrieveFlow:
                 dst, early = self._hints.gather(ch, calls, hint_key, ranks, n, out)
             for r in ranks:
                 resps[r] = ch.wait(calls[r], PrepareRetrieveResponse)
+        except ServerTimeoutError:
+            ob = Obligation(f"retrieve {rid}: commit or free the read locks of {n} chunks "
+                            "and end its session",
+                            time.monotonic() + s.read_ttl_s + LATE_MARGIN_S, key=same_key)
+            ob.settler = self._late(ch, keys, rid, calls, resps, ranks)
+            s.late.adopt(ch, ob)
+            raise
         except BaseException:
             for r in ranks:
                 ch.discard(calls[r])
@@ -119,8 +135,12 @@ class RetrieveFlow:
                     if hint_key is not None and slots and not resps[r].data:
                         todo_r, k_ok, k_redo = self._hints.reconcile(hint_key, r, slots, early, n)
                         kept, redone = min(kept, k_ok), max(redone, k_redo)
-                        if todo_r is None:
-                            continue  # all read while the reply was on its way
+                        if todo_r is None:  # all read while the reply was on its way;
+                            # its slots equal the hint's, validated then: refuse them
+                            # still if they no longer fit the mapping (a shrunk segment)
+                            assert s.shm is not None
+                            s.shm.check_mapped(slots, s.geom, "prepare_retrieve")
+                            continue
                         todo = todo_r
                     else:
                         kept = 0
@@ -138,6 +158,26 @@ class RetrieveFlow:
                 else:
                     free_locks(s, ch, keys[r], r)
         return result
+
+    def _late(self, ch: Channel, keys: dict[int, IPCCacheServerKey], rid: str,
+              calls: dict[int, PendingCall], resps: dict[int, PrepareRetrieveResponse],
+              ranks: list[int]) -> Settler:
+        """Settle a retrieve whose ``prepare_retrieve`` timed out (see the module doc)."""
+        s = self._s
+        got: dict[int, PrepareRetrieveResponse | None] = dict(resps)
+        for r in ranks:
+            if r not in got:
+                try:
+                    got[r] = yield calls[r], PrepareRetrieveResponse
+                except ProtocolError:
+                    got[r] = None
+        for r in range(s.world_size):
+            resp = got.get(r)
+            if resp is not None and resp.success:  # pending reads: commit releases them
+                yield ch.send(Op.COMMIT_RETRIEVE, [keys[r], s.instance_id]), None
+            else:  # not prepared: the lookup's locks of that shard (worker_id r)
+                yield ch.send(Op.FREE_LOOKUP_LOCKS, [keys[r], s.world_size]), None
+        s.end_session(ch, rid)
 
     def _release_reads(self, commits: list[list[Any]], rid: str, same_key: Hashable) -> None:
         """Send the commits of a retrieve without waiting; its session ends after them."""

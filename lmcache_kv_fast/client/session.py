@@ -8,8 +8,17 @@ connections (ZMQ channels, the SHM plane), and the rules every operation follows
   forgot this instance, and records its :class:`~lmcache_kv_fast.results.OpTiming`.
 * :meth:`Session.same_key` serialises identical operations of this instance (the server
   keys pending transfers by instance and key, ignoring the request id).
-* :meth:`Session.close` drains running operations, settles fired releases, unregisters
-  and unmaps.
+* :meth:`Session.close` drains running operations, settles fired releases and the
+  obligations of timed-out operations (``client/late.py``), unregisters and unmaps.
+
+Two registrations per context (doc §3.11, ``docs/guarantees.md``): ``instance_id`` (the
+*reader*: lookups and retrieves; pinged at connect and by the heartbeat, so a dead client's
+read locks are reaped after the reap timeout) and ``writer_id`` (the *writer*: only
+``prepare_store`` / ``commit_store``; never pinged, kept alive by re-registering it, so the
+server reaps a dead client's writer only after its registration grace, when the write TTL
+of any unfilled reservation has expired and the reap cannot admit it). The writer is only
+unregistered when no reservation of it can be pending. On the pickle plane (no
+reservations outlive a call) both are the same registration.
 """
 
 from __future__ import annotations
@@ -19,6 +28,7 @@ import itertools
 import logging
 import os
 import secrets
+import sys
 import threading
 import time
 import weakref
@@ -29,6 +39,7 @@ from typing import Any
 import torch
 
 from lmcache_kv_fast.client.handshake import CONNECT_PROBE_TIMEOUT_S
+from lmcache_kv_fast.client.late import SETTLE_LATE_S, LateReplies
 from lmcache_kv_fast.client.liveness import Background
 from lmcache_kv_fast.copy import ChunkGeometry, Region, backend
 from lmcache_kv_fast.dataplane.shm import ShmPlane
@@ -36,7 +47,10 @@ from lmcache_kv_fast.errors import ContextClosedError, KVCacheSDKError, ServerTi
 from lmcache_kv_fast.layout import KVLayout
 from lmcache_kv_fast.protocol.constants import INSTANCE_ID_BITS, SDK_NUM_KV_READERS
 from lmcache_kv_fast.protocol.ops import Generation, Op
-from lmcache_kv_fast.protocol.types import IPCCacheServerKey
+from lmcache_kv_fast.protocol.types import (
+    IPCCacheServerKey,
+    RegisterEngineDrivenContextPayload,
+)
 from lmcache_kv_fast.results import OpTiming
 from lmcache_kv_fast.transport.http import HttpInfoClient
 from lmcache_kv_fast.transport.releases import DeferredReleases
@@ -48,6 +62,8 @@ logger = logging.getLogger(__name__)
 RESTART_PROBE_TIMEOUT_S = 1.0
 #: close() waits at most this long for acknowledgements of fired releases.
 SETTLE_ACKS_TIMEOUT_S = 1.0
+#: ... and for late replies from a server that forgot this client (restart, reap).
+SETTLE_FORGOTTEN_S = 1.0
 
 
 #: Every session of this process (the at-fork hook marks them foreign in a child).
@@ -75,7 +91,6 @@ class Session:
         http_url: HTTP URL of the server without a trailing slash (validated).
         model_name: Model name the KV is stored under.
         timeout: Seconds every server call may take.
-        owner: The context; its background thread keeps it alive while it runs.
     """
 
     # Filled by client.handshake.handshake():
@@ -95,9 +110,15 @@ class Session:
     dtype: torch.dtype
     #: Shape of the engine-driven object the server allocates per chunk (doc §3.1).
     object_shape: tuple[int, ...]
+    #: The server's liveness and TTL settings (``/config``; defaults when absent), in s.
+    reap_timeout_s: float = 120.0
+    registration_grace_s: float = 3600.0
+    write_ttl_s: float = 600.0
+    read_ttl_s: float = 300.0
+    #: The writer's registration payload (re-sent to keep it alive, see liveness.py).
+    writer_payload: RegisterEngineDrivenContextPayload | None = None
 
-    def __init__(self, url: str, http_url: str, model_name: str, timeout: float,
-                 owner: object) -> None:
+    def __init__(self, url: str, http_url: str, model_name: str, timeout: float) -> None:
         #: The process that created the session; its sockets, threads and registration
         #: are of no use in another one (after fork()).
         self.pid = os.getpid()
@@ -112,7 +133,10 @@ class Session:
         self.zmq: ZmqClient | None = None
         self.shm: ShmPlane | None = None
         self.registered = False
-        #: Prepared stores that may hold a reservation on the server (never unregister).
+        #: The writer registration exists apart from the reader's (SHM plane).
+        self.writer_registered = False
+        #: Failed stores that may have left a reservation on the server (never unregister
+        #: the writer then; see also ``late.pins_writer()``).
         self.uncommitted = 0
         self._ops = 0
         self._ops_cv = threading.Condition()
@@ -128,7 +152,15 @@ class Session:
         self.model_name = model_name
         self.timeout = timeout
         self.instance_id = secrets.randbits(INSTANCE_ID_BITS) or 1
-        self.background = Background(self, weakref.ref(owner))
+        #: Registration used by stores only (== instance_id on the pickle plane).
+        self.writer_id = secrets.randbits(INSTANCE_ID_BITS) or 2
+        while self.writer_id == self.instance_id:  # pragma: no cover - 2**-63
+            self.writer_id = secrets.randbits(INSTANCE_ID_BITS) or 2
+        #: Process that created the session (a forked child must not close its sockets).
+        self.pid = os.getpid()
+        self.background = Background(self)
+        #: Obligations of timed-out operations, settled on retired channels.
+        self.late = LateReplies(self.background.kick)
         self.backend: ModuleType = backend()
 
     def setup_geometry(self) -> None:
@@ -233,12 +265,17 @@ class Session:
             return
         self.peer_lost = False
         regs = st.get("non_cuda_context_meta")
-        if isinstance(regs, dict) and str(self.instance_id) not in regs:
+        if not isinstance(regs, dict):
+            return
+        gone = [i for i in {self.instance_id, self.writer_id} if str(i) not in regs]
+        if gone:
             self.forgotten = (
                 f"the LMCache server at {self.url} no longer knows this client (instance "
-                f"{self.instance_id} is not registered: the server restarted or reaped it); "
+                f"{gone[0]} is not registered: the server restarted or reaped it); "
                 "this context cannot be used any more: close it and reconnect with connect()"
             )
+            # What the server held for us died with the registration (or the restart).
+            self.late.void("the server forgot this client")
             raise KVCacheSDKError(self.forgotten)
 
     def _explain_timeout(self, err: ServerTimeoutError) -> ServerTimeoutError | None:
@@ -279,6 +316,11 @@ class Session:
                 rel = self.releases
                 if rel is not None and rel.busy(k):
                     rel.wait_key(k, self.timeout)
+                if self.late.busy(k) and not self.late.wait_key(k, self.timeout):
+                    raise ServerTimeoutError(
+                        f"an identical earlier operation on {self.url} timed out and its "
+                        f"late reply was not settled within {self.timeout:g}s"
+                    )
                 yield k
         finally:
             with self._key_locks_mutex:
@@ -385,35 +427,36 @@ class Session:
     def teardown(self, drained: bool = True) -> None:
         """Stop the background thread, settle, unregister, close the sockets and unmap.
 
-        The registration is only dropped when no prepared store is left uncommitted (the
-        server would admit its slots as data, doc §3.2). Nothing in a forked child.
+        Obligations of timed-out operations are settled first (at most
+        ``min(timeout, SETTLE_LATE_S)``). The reader is always unregistered (it never holds
+        a reservation); the writer only when no reservation of it can be pending (the
+        server would admit its slots as data, doc §3.2): otherwise it stays registered and
+        the server reaps it after its registration grace, when the reservation's write TTL
+        has expired and the reap cannot admit it. Nothing in a forked child.
         """
         if self.in_other_process():
             return
         self.background.stop()
         zmq_client = self.zmq
-        if zmq_client is not None and drained and not zmq_client.closing and \
-                self.forgotten is None and not self.peer_lost:
+        usable = zmq_client is not None and not zmq_client.closing and \
+            self.forgotten is None
+        if zmq_client is not None and not zmq_client.closing and self.late.pending():
+            # A restarted server answers what it still gets of ours (requests queued while
+            # it was down) at once, or never: settle briefly then.
+            self.late.settle(min(self.timeout, SETTLE_LATE_S if usable else
+                                 SETTLE_FORGOTTEN_S))
+        if usable and drained and not self.peer_lost:
             # Fired releases (commits, end_session) reach the server before we unregister /
             # close. (A restarted or dead server never acknowledges them: then do not wait.)
+            assert zmq_client is not None
             budget = min(self.timeout, SETTLE_ACKS_TIMEOUT_S)
             if self.releases is not None:
                 self.releases.settle(budget)
             zmq_client.settle(budget)
-        if zmq_client is not None and self.registered and not zmq_client.closing and \
-                self.forgotten is None:
-            if self.uncommitted:
-                logger.warning(
-                    "not unregistering instance %d: %d prepared store(s) were never committed "
-                    "(unregistering would admit their slots as data)", self.instance_id,
-                    self.uncommitted,
-                )
-            else:
-                try:
-                    zmq_client.call(Op.UNREGISTER_ENGINE_DRIVEN, [self.instance_id], None,
-                                    min(self.timeout, CONNECT_PROBE_TIMEOUT_S))
-                except KVCacheSDKError as err:
-                    logger.warning("unregister on close failed: %s", err)
+        if usable and self.registered:
+            assert zmq_client is not None
+            self._unregister(zmq_client, drained)
+        self.late.close()
         if zmq_client is not None:
             zmq_client.close()
         with self._ops_cv:
@@ -425,3 +468,50 @@ class Session:
                 self.shm.close()
         self.closing = True
         self.closed = True
+
+    def _unregister(self, zmq_client: ZmqClient, drained: bool) -> None:
+        """Unregister the reader, and the writer unless a reservation of it may be pending."""
+        probe = min(self.timeout, CONNECT_PROBE_TIMEOUT_S)
+        ids = [self.instance_id]
+        if self.writer_registered:
+            pinned = self.uncommitted or self.late.pins_writer() or not drained
+            if pinned:
+                logger.warning(
+                    "not unregistering writer instance %d: a reservation of a failed store "
+                    "may still be pending on the server (unregistering would admit its "
+                    "unfilled slots as data, doc §3.2). The server reaps it after its "
+                    "registration grace (%gs), when the reservation's write TTL (%gs) has "
+                    "expired", self.writer_id, self.registration_grace_s, self.write_ttl_s,
+                )
+            else:
+                ids.append(self.writer_id)
+        elif self.uncommitted or self.late.pins_writer():  # pickle: one registration
+            logger.warning("not unregistering instance %d: a store may be pending",
+                           self.instance_id)
+            ids = []
+        for iid in ids:
+            try:
+                zmq_client.call(Op.UNREGISTER_ENGINE_DRIVEN, [iid], None, probe)
+            except KVCacheSDKError as err:
+                logger.warning("unregister on close failed: %s", err)
+                break
+
+    def collected(self) -> None:
+        """Close the session of a context the garbage collector took (weakref.finalize).
+
+        Does nothing in a forked child (the sockets and registrations are the parent's).
+        Closes on a short-lived thread: the collection may run on any thread, even in the
+        middle of this session's own background work.
+        """
+        if self.pid != os.getpid() or self.closed or self.closing:
+            return
+        if sys.is_finalizing() or not threading.main_thread().is_alive():
+            self.close()  # interpreter exit: no new threads; nothing else runs anyway
+            return
+        logger.info("an unclosed context for %r at %s was garbage-collected: closing it",
+                    self.model_name, self.url)
+        try:
+            threading.Thread(target=self.close, name=f"lmcache-kv-fast-close-"
+                             f"{self.instance_id:x}", daemon=True).start()
+        except RuntimeError:  # pragma: no cover - interpreter shutting down
+            self.close()

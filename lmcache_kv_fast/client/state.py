@@ -10,10 +10,12 @@ from __future__ import annotations
 from types import ModuleType
 from typing import Protocol
 
+from lmcache_kv_fast.client.late import LateReplies
 from lmcache_kv_fast.copy import ChunkGeometry
 from lmcache_kv_fast.dataplane.shm import ShmPlane
 from lmcache_kv_fast.layout import KVLayout
 from lmcache_kv_fast.protocol.ops import Generation
+from lmcache_kv_fast.protocol.types import RegisterEngineDrivenContextPayload
 from lmcache_kv_fast.transport.releases import DeferredReleases
 from lmcache_kv_fast.transport.zmq_client import ZmqClient
 
@@ -26,6 +28,14 @@ class SessionState(Protocol):
     model_name: str
     timeout: float
     instance_id: int
+    writer_id: int
+    writer_registered: bool
+    writer_payload: RegisterEngineDrivenContextPayload | None
+    reap_timeout_s: float
+    registration_grace_s: float
+    write_ttl_s: float
+    read_ttl_s: float
+    late: LateReplies
     backend: ModuleType
     zmq: ZmqClient | None
     shm: ShmPlane | None

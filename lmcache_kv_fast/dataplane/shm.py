@@ -85,6 +85,22 @@ class ShmPlane:
         except ValueError as err:
             raise ProtocolError(f"{what}: refused slot descriptor: {err}") from err
 
+    def check_mapped(self, slots: Sequence[Slot], geom: ChunkGeometry, what: str) -> None:
+        """Check slots that already passed :meth:`regions` still fit the mapping now.
+
+        For a reply naming exactly the slots validated a moment ago (read hints): only
+        the segment can have changed since (a peer that shrank it).
+
+        Raises:
+            ProtocolError: A slot no longer fits the mapping.
+        """
+        if self.segment is None:
+            raise KVCacheSDKError("the SHM mapping is closed")
+        try:
+            self.segment.regions(slots, geom.chunk_nbytes, self.align)
+        except ValueError as err:
+            raise ProtocolError(f"{what}: refused slot descriptor: {err}") from err
+
     def close(self) -> None:
         """Unmap (idempotent)."""
         seg, self.segment = self.segment, None

@@ -87,6 +87,14 @@ class Channel:
         #: Seconds spent blocked in :meth:`wait` and the number of waits (for OpTiming).
         self.wait_s = 0.0
         self.waits = 0
+        #: Handed to the late-reply settler (``ZmqClient.retire``): its old thread must
+        #: not use it any more.
+        self.retired = False
+
+    @property
+    def client(self) -> ZmqClient:
+        """The client this channel belongs to."""
+        return self._client
 
     # -- sending ---------------------------------------------------------------------
     def send(self, op: Op, payloads: Sequence[Any] = (), *, raw: Sequence[bytes] = ()) -> PendingCall:
@@ -265,6 +273,10 @@ class Channel:
             self._drain()
         return call.uid_frame in self._parked
 
+    def expect(self, call: PendingCall) -> None:
+        """Wait for ``call``'s reply again (after its wait timed out): park it when it comes."""
+        self._inflight[call.uid_frame] = call
+
     def discard(self, call: PendingCall) -> None:
         """Forget ``call``: a reply that still arrives is dropped."""
         self._inflight.pop(call.uid_frame, None)
@@ -357,6 +369,25 @@ class ZmqClient:
                                   if not c.owner or _thread_alive(c.owner, c)]
                 self._channels.append(ch)
         return ch
+
+    def retire(self, ch: Channel) -> None:
+        """Unbind ``ch`` from its thread, which gets a fresh channel on its next call.
+
+        ``ch`` keeps its socket, its in-flight calls and their late replies; its new user
+        (the late-reply settler, ``client/late.py``) takes it over after a lock handoff.
+        It is closed with the client, or earlier by :meth:`drop`.
+        """
+        if getattr(self._local, "channel", None) is ch:
+            self._local.channel = None
+        ch.owner = 0
+        ch.retired = True
+
+    def drop(self, ch: Channel) -> None:
+        """Close a channel not bound to a thread and forget it."""
+        with self._lock:
+            if ch in self._channels:
+                self._channels.remove(ch)
+        ch.close()
 
     def new_channel(self) -> Channel:
         """Return a fresh channel not bound to a thread (its user serialises access)."""

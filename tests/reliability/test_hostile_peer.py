@@ -709,9 +709,12 @@ _NASTY = textwrap.dedent("""
         kv = p.geom.kv(2 * C)
         assert ctx.store(kv, toks)
         # 1. the server shrinks its segment under the client, then hands out slots in the
-        #    vanished part: a copy there would be SIGBUS; it must be refused instead.
+        #    vanished part: a copy there would be SIGBUS; it must be refused instead. It
+        #    answers late, so the client has read both chunks early from its read hints
+        #    (still intact then): the reply must be refused all the same.
         honest = [p._objects[k].offset for k in p._chunk_keys({{"token_ids": toks}}, 0, 2 * C)]
         def shrink_then_slots(r):
+            time.sleep(0.3)
             os.truncate(f"/dev/shm/{{p.segment}}", 4096)
             return r.value({{"success": True, "data": b"",
                             "context": {{"slots": [p.slot(o) for o in honest]}}}})

@@ -351,7 +351,7 @@ def _child(ctx: lkf.LMCacheKVCacheContext, srv: LMCacheServer, model: str,
             return rc
     try:
         ctx.close()  # does nothing in the child: the parent's registration stays
-        ctx.__del__()
+        ctx._finalizer()  # what the garbage collector would run: nothing in the child
     except BaseException:
         return 30
     try:
