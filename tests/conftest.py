@@ -1,4 +1,8 @@
-"""Shared fixtures: real LMCache servers (SHM and pickle planes) and registered models."""
+"""Shared fixtures: real LMCache servers (SHM and pickle planes) and registered models.
+
+The real-engine fixtures (vLLM CPU engine, its server, the oracle) live in
+tests/engine_fixtures.py, session-scoped and stopped right after their last test.
+"""
 
 from __future__ import annotations
 
@@ -13,6 +17,16 @@ from dataclasses import dataclass
 
 import pytest
 import torch
+from engine_fixtures import (  # noqa: F401 - fixtures shared by tests/engine and tests/sdk
+    engine_server,
+    mark_engine_items,
+    model_name,
+    offline_engine,
+    openai_engine,
+    oracle,
+    release_unused,
+    tiny_model,
+)
 
 from lmcache_kv_fast.testing import LMCacheServer, register_vllm_layout
 
@@ -27,6 +41,16 @@ def pytest_configure(config: pytest.Config) -> None:
     """A SIGTERM (CI timeout, ``kill``) stops pytest like Ctrl-C: every fixture's teardown
     still runs, so no server, engine, Ray cluster or SHM segment outlives the run."""
     signal.signal(signal.SIGTERM, _terminate)
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    mark_engine_items(items)
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_teardown(item: pytest.Item, nextitem: pytest.Item | None):
+    yield
+    release_unused(item)
 
 
 def _start(shm: bool, **kw) -> Iterator[LMCacheServer]:

@@ -33,6 +33,7 @@ import torch
 
 from lmcache_kv_fast.testing.engine_proc import (
     KEEP_LOGS_ENV,
+    REPO_ROOT,
     EngineChild,
     EngineChildError,
     child_env,
@@ -181,6 +182,26 @@ class OfflineEngine:
         """The prefix-cache counters of vLLM (local and external)."""
         return dict(self._child.call("metrics"))
 
+    def sdk_workflow(self, *, url: str, http_url: str, prompts: list[list[int]], salt: str,
+                     drop_every: int = 10, max_tokens: int = 8,
+                     sampling_params: dict[str, Any] | None = None,
+                     connect_options: dict[str, Any] | None = None,
+                     timeout: float = 600.0) -> dict[str, Any]:
+        """Run ``lmcache_kv_fast.sdk``'s prefill -> modify -> decode inside the engine process.
+
+        The streams' hook is ``VllmLLMCompletion`` on this engine's ``vllm.LLM``
+        (``engine_side/sdk_inproc.py``); the edit drops every ``drop_every``-th token.
+
+        Returns:
+            ``{"tokens", "edited", "output_tokens", "decode_cached", "reports"}`` per stream.
+        """
+        return dict(self._child.call(
+            "sdk_workflow", timeout, repo_root=str(REPO_ROOT), url=url, http_url=http_url,
+            model=self.model, prompts=[[int(t) for t in p] for p in prompts], salt=salt,
+            drop_every=drop_every, max_tokens=max_tokens,
+            sampling_params=sampling_params or {"temperature": 0.0, "ignore_eos": True},
+            connect_options=connect_options or {}))
+
 
 def _dense(vectors: list[list[float]] | None) -> torch.Tensor | None:
     if vectors is None:
@@ -307,6 +328,20 @@ class OpenAIEngine:
         if self.log_path is None or not self.log_path.exists():
             return ""
         return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-n:])
+
+    def metrics(self) -> dict[str, float]:
+        """The prefix-cache counters of ``/metrics`` (local and external), summed over labels."""
+        resp = requests.get(f"{self.url}/metrics", timeout=30)
+        resp.raise_for_status()
+        out: dict[str, float] = {}
+        for line in resp.text.splitlines():
+            if line.startswith("#") or "prefix_cache" not in line:
+                continue
+            name, _, value = line.rpartition(" ")
+            name = name.split("{", 1)[0]
+            with contextlib.suppress(ValueError):
+                out[name] = out.get(name, 0.0) + float(value)
+        return out
 
     def complete(self, prompt: list[int], *, max_tokens: int = 1, logprobs: int | None = None,
                  cache_salt: str | None = None, timeout: float = 300.0) -> Generation:

@@ -123,10 +123,15 @@ class EngineChild:
         name: Short name for logs and errors.
         env: Extra environment variables.
         start_timeout: Seconds to wait for the child's ``ready`` reply.
+        python: Interpreter to run the script with (default: the engine venv's); any
+            interpreter with what the script imports (e.g. ``sys.executable`` for a script
+            that needs only ``lmcache``).
     """
 
     def __init__(self, script: str, config: dict[str, Any], *, name: str,
-                 env: dict[str, str] | None = None, start_timeout: float = 300.0) -> None:
+                 env: dict[str, str] | None = None, start_timeout: float = 300.0,
+                 python: str | Path | None = None) -> None:
+        self.python = python
         self.script = ENGINE_SIDE_DIR / script
         self.config = dict(config)
         self.name = name
@@ -154,7 +159,7 @@ class EngineChild:
         started = time.monotonic()
         try:
             self.proc = subprocess.Popen(
-                [str(engine_python()), str(self.script), json.dumps(cfg)],
+                [str(self.python or engine_python()), str(self.script), json.dumps(cfg)],
                 stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self._log_file,
                 env=child_env(self.env), cwd=str(self.tmp_dir), start_new_session=True,
             )

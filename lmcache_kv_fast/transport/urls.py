@@ -23,8 +23,12 @@ from typing import Any
 
 from lmcache_kv_fast.errors import InvalidArgumentError
 
-#: Schemes of the ZMQ control plane this SDK connects to.
-ZMQ_SCHEMES = ("tcp",)
+#: Schemes of the ZMQ control plane this SDK connects to. ``ipc://path`` (a Unix socket,
+#: e.g. a forwarder in front of the server, which itself binds TCP) is accepted as
+#: upstream's request client accepts it (the sdk package, ``lmcache_kv_fast.sdk``).
+ZMQ_SCHEMES = ("tcp", "ipc")
+#: Longest ``ipc://`` path (a Unix socket's ``sun_path`` holds 108 bytes with the NUL).
+MAX_IPC_PATH = 107
 #: Schemes of the HTTP info plane and their default ports.
 HTTP_SCHEMES = {"http": 80, "https": 443}
 
@@ -50,7 +54,9 @@ class Endpoint:
 
     @property
     def netloc(self) -> str:
-        """``host:port`` (``[v6]:port`` for an IPv6 literal)."""
+        """``host:port`` (``[v6]:port`` for an IPv6 literal; the path for ``ipc``)."""
+        if self.scheme == "ipc":
+            return self.host
         host = f"[{self.host}]" if self.ipv6 else self.host
         return f"{host}:{self.port}"
 
@@ -61,17 +67,25 @@ class Endpoint:
 
 
 def parse_zmq_url(url: Any, what: str = "url") -> Endpoint:
-    """Parse a ZMQ URL of the server's control plane (``tcp://host:port``).
+    """Parse a ZMQ URL of the server's control plane (``tcp://host:port`` or ``ipc://path``).
+
+    For ``ipc`` the returned endpoint's ``host`` is the socket path and ``port`` is 0.
 
     Raises:
         InvalidArgumentError: Anything else; the message starts with
             ``"<what> must look like"`` and says what is wrong.
     """
-    expect = f"{what} must look like 'tcp://host:port' (port 1..65535)"
+    expect = f"{what} must look like 'tcp://host:port' (port 1..65535) or 'ipc://path'"
     text = _text(url, expect)
     scheme, sep, rest = text.partition("://")
     if not sep or scheme not in ZMQ_SCHEMES:
         raise _bad(expect, url, f"the scheme must be {' or '.join(ZMQ_SCHEMES)}://")
+    if scheme == "ipc":
+        if not rest or rest == "*":
+            raise _bad(expect, url, "the ipc:// path is empty")
+        if len(rest.encode()) > MAX_IPC_PATH:
+            raise _bad(expect, url, f"the ipc:// path is longer than {MAX_IPC_PATH} bytes")
+        return Endpoint(scheme, rest, 0)
     if "/" in rest or "?" in rest or "#" in rest:
         raise _bad(expect, url, "no path, query or fragment is allowed")
     (host, v6), port = _host_port(rest, expect, url, default_port=None)

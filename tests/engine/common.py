@@ -4,14 +4,15 @@ from __future__ import annotations
 
 import random
 
-from lmcache_kv_fast.testing.register import (  # noqa: F401 - re-exported for the tests
+from engine_fixtures import BLOCK, CHUNK, ENGINE_TEST_TIMEOUT
+
+from lmcache_kv_fast.testing.register import (
     register_engine_driven,
     unregister_engine_driven,
 )
 
-BLOCK = 128  # vLLM block size of every engine here
-CHUNK = 256  # LMCache chunk size of the server
-ENGINE_TEST_TIMEOUT = 1200
+__all__ = ["BLOCK", "CHUNK", "ENGINE_TEST_TIMEOUT", "register_engine_driven", "tokens",
+           "unregister_engine_driven"]
 
 
 def tokens(n: int, seed: int) -> list[int]:

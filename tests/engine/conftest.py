@@ -1,8 +1,8 @@
-"""Real-engine fixtures: a vLLM CPU engine (offline and OpenAI server) on the tiny Llama,
-a real LMCache server, and the transformers oracle.
+"""Fixtures of the engine tests on top of the shared ones (tests/engine_fixtures.py).
 
-Package-scoped (tests/engine is a package for that): started once, shared by the engine
-tests and stopped right after the last of them, not at the end of the whole session.
+The engine, the server and the oracle are session-scoped in tests/engine_fixtures.py
+(shared with tests/sdk, each stopped right after the last test using it); here: the
+engine's KV geometry and this SDK connected to its model.
 
 Everything under tests/engine gets the ``engine`` marker and a long timeout (an engine
 start takes ~20 s on a quiet 2-core box, minutes on a loaded one).
@@ -19,10 +19,8 @@ import lmcache_kv_fast as lkf
 from lmcache_kv_fast.layout import CpuEngineKV, KVLayout
 from lmcache_kv_fast.testing import LMCacheServer
 from lmcache_kv_fast.testing.engine import OfflineEngine
-from lmcache_kv_fast.testing.oracle import TransformersOracle
-from lmcache_kv_fast.testing.tiny_model import ensure_tiny_model
 
-from .common import BLOCK, CHUNK, ENGINE_TEST_TIMEOUT
+from .common import BLOCK, ENGINE_TEST_TIMEOUT
 
 
 def pytest_configure(config: pytest.Config) -> None:
@@ -43,51 +41,6 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
                      key=lambda it: it.get_closest_marker("stops_engine") is not None)
     for i, item in zip(mine, ordered, strict=True):
         items[i] = item
-
-
-@pytest.fixture(scope="package")
-def tiny_model() -> Path:
-    """The tiny random-weight Llama directory (written once into .cache/engine)."""
-    return ensure_tiny_model()
-
-
-@pytest.fixture(scope="package")
-def model_name(tiny_model: Path) -> str:
-    """The name vLLM registers the model by (its path)."""
-    return str(tiny_model)
-
-
-@pytest.fixture(scope="package")
-def engine_server() -> Iterator[LMCacheServer]:
-    """The real LMCache server the engines and SDKs share (SHM, chunk 256)."""
-    srv = LMCacheServer(shm=True, chunk_size=CHUNK, l1_size_gb=0.5)
-    try:
-        srv.start()
-        yield srv
-    finally:
-        srv.stop()
-
-
-@pytest.fixture(scope="package")
-def offline_engine(tiny_model: Path, engine_server: LMCacheServer) -> Iterator[OfflineEngine]:
-    """``vllm.LLM`` with LMCacheMPConnector against ``engine_server``."""
-    eng = OfflineEngine(tiny_model, engine_server.port, block_size=BLOCK)
-    try:
-        eng.start()
-        yield eng
-    finally:
-        eng.stop()
-
-
-@pytest.fixture(scope="package")
-def oracle(tiny_model: Path) -> Iterator[TransformersOracle]:
-    """transformers on the same weights (float32)."""
-    orc = TransformersOracle(tiny_model)
-    try:
-        orc.start()
-        yield orc
-    finally:
-        orc.stop()
 
 
 @pytest.fixture(scope="package")

@@ -39,10 +39,11 @@ def test_engine_registration_and_geometry(offline_engine, engine_server, model_n
     st = engine_server.status()
     assert st["cache_context_meta"] == {}
     mine = {k: v for k, v in st["non_cuda_context_meta"].items() if v["model_name"] == model_name}
-    # the engine and this SDK (a reader and a writer registration): the same four fields,
-    # nothing else published
+    # the engine(s) and SDK contexts (this one: a reader and a writer registration; others
+    # of the shared server, e.g. upstream's, which never unregisters): the same four
+    # fields, nothing else published
     own = {str(sdk.instance_id), str(sdk.writer_instance_id)}
-    assert own <= set(mine) and len(mine) == 3
+    assert own <= set(mine) and len(mine) >= 3
     for entry in mine.values():
         assert entry == {"model_name": model_name, "world_size": 1, "block_size": BLOCK,
                          "use_mla": True}

@@ -362,7 +362,8 @@ def test_calls_after_close(server_shm: LMCacheServer) -> None:
     ("tcp://127.0.0.1:99999", "http://127.0.0.1:1", "url"),
     ("tcp://:5555", "http://127.0.0.1:1", "url"),
     ("tcp://a b:5555", "http://127.0.0.1:1", "url"),
-    ("ipc:///tmp/x", "http://127.0.0.1:1", "url"),
+    ("ipc://", "http://127.0.0.1:1", "url"),  # ipc://path is accepted (lmcache_kv_fast.sdk)
+    ("inproc://x", "http://127.0.0.1:1", "url"),
     ("", "http://127.0.0.1:1", "url"),
     (None, "http://127.0.0.1:1", "url"),
     (5555, "http://127.0.0.1:1", "url"),

@@ -36,6 +36,8 @@ from .servers import machine_description
 from .sizes import QUICK, SHM_CAP_GIB, MiB, Sizes, kv_nbytes, shm_l1_gib
 from .stats import add_ratios, rows_of
 from .targets import compute_targets, print_targets, reduced_sizes
+from .w6 import add_w6_args, run_w6
+from .w6 import write_json as write_w6_json
 from .workloads import ENGINE_WORKLOADS, WORKLOADS
 
 #: The workloads run without ``--engine``.
@@ -106,6 +108,7 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--engine-prompts", type=int, help="W5 prompts per rep (default 16, quick 3)")
     g.add_argument("--engine-tokens", type=int, help="W5 prompt length (default 1040, quick 528)")
     g.add_argument("--engine-reps", type=int, help="W5 reps per path (default 3, quick 1)")
+    add_w6_args(ap)
     g = ap.add_argument_group("output")
     g.add_argument("--json", metavar="PATH", help="write every sample and the machine here")
     g.add_argument("--plot", metavar="PATH.png", help="bar chart + W2 latency CDF (matplotlib)")
@@ -162,6 +165,11 @@ def main(argv: list[str]) -> int:
             from .engine_loop import run_w5  # imports the SDK and the engine fixtures
 
             return run_w5(args)
+        if args.w6:
+            doc = run_w6(args)
+            if args.json:
+                write_w6_json(doc, args.json)
+            return 0
         return _main(args, t_start)
 
 

@@ -8,7 +8,9 @@ Standalone script for the engine venv, started by ``lmcache_kv_fast.testing.engi
      "tmp_dir": DIR}
 
 Ops (JSON-lines, see ``rpc_child``): ``generate``, ``block_ids``, ``read_blocks``, ``isa``,
-``reset_prefix_cache``, ``metrics``, ``kernel_probe``.
+``reset_prefix_cache``, ``metrics``, ``kernel_probe``, ``sdk_workflow`` (the sdk package's
+batched stream with the in-process hook on this engine, ``sdk_inproc.py``; the only op
+that imports ``lmcache_kv_fast``).
 
 To read the engine's own paged KV, a hook is installed in the worker process (via
 ``collective_rpc``; vLLM runs the worker in a child of its engine-core process on CPU): it
@@ -179,6 +181,12 @@ class Driver:
         torch.save(kernel_probe.probe(cases), path)
         return len(cases)
 
+    def sdk_workflow(self, **cfg: Any) -> dict[str, Any]:
+        """Prefill -> modify -> decode with ``lmcache_kv_fast.sdk`` on this engine in-process."""
+        import sdk_inproc
+
+        return sdk_inproc.run(self.llm, cfg)
+
     def reset_prefix_cache(self) -> bool:
         """Drop vLLM's local prefix cache (later hits can only come from LMCache)."""
         return bool(self.llm.reset_prefix_cache())
@@ -211,7 +219,7 @@ def main() -> None:
     rpc_child.start_or_fail(out, drv.start)
     ops = {name: getattr(drv, name) for name in (
         "generate", "block_ids", "read_blocks", "isa", "reset_prefix_cache",
-        "metrics", "kernel_probe")}
+        "metrics", "kernel_probe", "sdk_workflow")}
     rpc_child.serve(out, ops, on_exit=drv.shutdown)
 
 
