@@ -30,7 +30,7 @@ import torch
 
 from lmcache_kv_fast import batch, kvcache
 from lmcache_kv_fast.testing import LMCacheServer, register_vllm_layout
-from lmcache_kv_fast.testing.benchmark import drop_every_kth
+from lmcache_kv_fast.testing.bench import drop_every_kth
 
 logger = logging.getLogger("bench_batch_memory")
 

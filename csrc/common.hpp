@@ -7,6 +7,7 @@
 #include <cstddef>
 #include <cstdint>
 #include <new>
+#include <stdexcept>
 #include <string>
 #include <utility>
 #include <vector>
@@ -14,6 +15,15 @@
 namespace lmckv {
 
 namespace py = pybind11;
+
+// The tensor span Python handed to the core does not back what the call would touch
+// (null address, fewer bytes than the shape needs). Raised to Python as
+// `_native.TensorSpanError`, a ValueError subclass that the copy backend turns into
+// InvalidArgumentError naming the tensor (kv / out).
+class TensorSpanError : public std::invalid_argument {
+ public:
+  using std::invalid_argument::invalid_argument;
+};
 
 // a * b, or ValueError naming `what` on overflow.
 inline uint64_t checked_mul(uint64_t a, uint64_t b, const char* what) {

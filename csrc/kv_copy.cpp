@@ -25,7 +25,9 @@ CopyPlan plan_kv_copy(bool to_regions, uintptr_t tensor_ptr, uint64_t tensor_nby
                       const std::vector<int64_t>& region_nbytes) {
   const char* op = to_regions ? "scatter" : "gather";
   const std::string who(op);
-  if (tensor_ptr == 0) throw py::value_error(who + ": null tensor address");
+  if (tensor_ptr == 0) {
+    throw TensorSpanError(who + ": null tensor address (its storage was freed?)");
+  }
   if (g.planes == 0 || g.layers == 0 || g.dfull == 0 || g.itemsize == 0) {
     throw py::value_error(who + ": planes, layers, D and itemsize must be >= 1");
   }
@@ -41,9 +43,10 @@ CopyPlan plan_kv_copy(bool to_regions, uintptr_t tensor_ptr, uint64_t tensor_nby
   const uint64_t row_elems_t = checked_mul(g.tokens, g.dfull, op);  // T * Dfull
   const uint64_t view_bytes = checked_mul(checked_mul(pl, row_elems_t, op), g.itemsize, op);
   if (view_bytes > tensor_nbytes) {
-    throw py::value_error(who + ": tensor of " + num(tensor_nbytes) + " bytes is smaller than [" +
-                          num(g.planes) + ", " + num(g.layers) + ", " + num(g.tokens) + ", " +
-                          num(g.dfull) + "] x " + num(g.itemsize) + " = " + num(view_bytes));
+    throw TensorSpanError(who + ": the tensor's memory holds " + num(tensor_nbytes) +
+                          " bytes, fewer than [" + num(g.planes) + ", " + num(g.layers) + ", " +
+                          num(g.tokens) + ", " + num(g.dfull) + "] x " + num(g.itemsize) +
+                          " = " + num(view_bytes));
   }
   (void)checked_add(tensor_ptr, tensor_nbytes, op);
   const uint64_t row_bytes = checked_mul(g.width, g.itemsize, op);    // W * itemsize

@@ -22,6 +22,9 @@ struct KvGeometry {
 
 // Validate everything (ValueError on the first problem, before any byte moves) and
 // build the copy plan. `to_regions`: scatter (tensor -> regions) if true, else gather.
+// `tensor_nbytes` is the memory that backs the tensor from `tensor_ptr` on (the Python
+// side passes min(numel, what its storage still holds past the data pointer) x itemsize);
+// a null `tensor_ptr` or a shape needing more bytes raises TensorSpanError.
 // Every run is bounds-checked against [tensor_ptr, tensor_ptr + tensor_nbytes) and
 // [region_addrs[j], region_addrs[j] + region_nbytes[j]).
 CopyPlan plan_kv_copy(bool to_regions, uintptr_t tensor_ptr, uint64_t tensor_nbytes,

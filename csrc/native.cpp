@@ -2,8 +2,13 @@
 //
 // Python passes raw addresses (tensor.data_ptr()) and sizes; every address range is
 // validated here, with the GIL held, before the GIL is released for the copy itself.
+// A tensor's size is the memory that backs it (the Python side bounds it by the
+// tensor's storage); a tensor span that cannot hold the shape raises TensorSpanError.
 #include <pybind11/pybind11.h>
 #include <pybind11/stl.h>
+
+#include <sys/mman.h>
+#include <unistd.h>
 
 #include <atomic>
 #include <cerrno>
@@ -19,6 +24,7 @@
 #include "kv_copy.hpp"
 #include "result_buffer.hpp"
 #include "shm_mapping.hpp"
+#include "strided_copy.hpp"
 #include "thread_pool.hpp"
 #include "uffd_fill.hpp"
 
@@ -359,6 +365,18 @@ void kv_copy(bool to_regions, py::handle tensor_ptr, py::handle tensor_nbytes, p
   plan.execute();
 }
 
+// ValueError unless every page of [addr, addr + len) is mapped: msync(MS_ASYNC) only
+// walks the process's mappings (ENOMEM on a hole) and starts no I/O.
+void check_mapped(uint64_t addr, uint64_t len, const char* what) {
+  const uint64_t page = static_cast<uint64_t>(sysconf(_SC_PAGESIZE));
+  const uint64_t lo = addr / page * page;
+  const uint64_t hi = checked_add(addr, len, what);
+  if (msync(reinterpret_cast<void*>(lo), hi - lo, MS_ASYNC) != 0) {
+    throw py::value_error(std::string(what) + ": [" + std::to_string(addr) + ", +" +
+                          std::to_string(len) + ") is not (entirely) mapped memory");
+  }
+}
+
 void parallel_memcpy(py::handle dst, py::handle src, py::handle n) {
   const uint64_t d = field(dst, "dst");
   const uint64_t s = field(src, "src");
@@ -368,6 +386,10 @@ void parallel_memcpy(py::handle dst, py::handle src, py::handle n) {
   (void)checked_add(d, len, "memcpy");
   (void)checked_add(s, len, "memcpy");
   if (d < s + len && s < d + len) throw py::value_error("memcpy: overlapping ranges");
+  // Nothing tells the core what backs raw addresses; at least an unmapped range (a freed
+  // large buffer) is refused instead of faulting.
+  check_mapped(d, len, "memcpy dst");
+  check_mapped(s, len, "memcpy src");
   CopyPlan plan;
   plan.add(reinterpret_cast<char*>(d), reinterpret_cast<const char*>(s), 1, len, 0, 0);
   py::gil_scoped_release nogil;
@@ -406,7 +428,9 @@ PYBIND11_MODULE(_native, m) {
   m.doc() = "lmcache-kv-fast native core: SHM mapping, parallel chunk scatter/gather, "
             "result buffers";
   m.attr("__version__") = "0.1.0";
+  m.attr("MAX_THREADS") = kMaxThreads;
   install_fork_handlers();
+  py::register_exception<TensorSpanError>(m, "TensorSpanError", PyExc_ValueError);
 
   py::class_<Mapping>(m, "Mapping")
       .def(py::init([](const std::string& name, std::optional<py::int_> size,
@@ -500,8 +524,27 @@ PYBIND11_MODULE(_native, m) {
                      : "Copy region j into chunk chunk_ids[j] of the [P, L, T, Dfull] tensor.");
   }
   m.def("memcpy", &parallel_memcpy, "dst"_a, "src"_a, "n"_a,
-        "Parallel copy of n bytes between raw addresses (UNCHECKED: the caller guarantees "
-        "both ranges are valid).");
+        "Parallel copy of n bytes between raw addresses (benchmark roofline helper, not "
+        "used by the SDK). Refuses null, overlapping or unmapped ranges; otherwise "
+        "UNCHECKED: the caller guarantees both ranges belong to live, writable buffers.");
+  m.def(
+      "strided_copy",
+      [](py::handle dst, py::handle dst_nbytes, py::handle dst_offset, py::handle src,
+         py::handle src_nbytes, py::handle src_offset, py::handle itemsize, py::handle sizes,
+         py::handle dst_strides, py::handle src_strides) {
+        const StridedPlan plan = plan_strided_copy(
+            field(dst, "dst"), field(dst_nbytes, "dst_nbytes"), field(dst_offset, "dst_offset"),
+            field(src, "src"), field(src_nbytes, "src_nbytes"), field(src_offset, "src_offset"),
+            field(itemsize, "itemsize"), to_i64_vector(sizes, "sizes"),
+            to_i64_vector(dst_strides, "dst_strides"), to_i64_vector(src_strides, "src_strides"));
+        py::gil_scoped_release nogil;
+        execute_strided_copy(plan);
+      },
+      "dst"_a, "dst_nbytes"_a, "dst_offset"_a, "src"_a, "src_nbytes"_a, "src_offset"_a,
+      "itemsize"_a, "sizes"_a, "dst_strides"_a, "src_strides"_a,
+      "Copy the strided view (src + src_offset elements, src_strides) into the view of dst "
+      "(same sizes; element strides/offsets); every element of both views is checked to lie "
+      "in its buffer [addr, addr + nbytes), and the buffers must not overlap.");
 
   m.def("set_threads", &set_threads, "n"_a);
   m.def("get_threads", &get_threads);

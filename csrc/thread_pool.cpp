@@ -111,9 +111,9 @@ int default_threads() {
   if (const char* env = std::getenv("LMCACHE_KV_FAST_THREADS")) {
     char* end = nullptr;
     const long v = std::strtol(env, &end, 10);
-    if (end != env && *end == '\0' && v >= 1 && v <= 1024) return static_cast<int>(v);
+    if (end != env && *end == '\0' && v >= 1 && v <= kMaxThreads) return static_cast<int>(v);
   }
-  return usable_cpus();
+  return std::min(usable_cpus(), kMaxThreads);
 }
 
 struct PoolState {
@@ -158,8 +158,9 @@ void atfork_child() {
 int get_threads() { return resolved_threads(); }
 
 void set_threads(int n) {
-  if (n < 1 || n > 1024) {
-    throw pybind11::value_error("thread count must be in [1, 1024], got " + std::to_string(n));
+  if (n < 1 || n > kMaxThreads) {
+    throw pybind11::value_error("thread count must be in [1, " + std::to_string(kMaxThreads) +
+                                "], got " + std::to_string(n));
   }
   // The pool itself is only rebuilt (lazily) when it has fewer threads than requested:
   // lowering the count just leaves the extra workers asleep, so switching back and forth

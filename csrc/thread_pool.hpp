@@ -61,10 +61,16 @@ class ThreadPool {
   std::vector<std::thread> workers_;
 };
 
+// Upper bound of the thread count: CPU_SETSIZE, the most CPUs the affinity mask read by
+// usable_cpus() can name, so more copy threads could never run at once; and the pool
+// creates every requested thread on the next large copy, so an unbounded count would
+// exhaust the process's thread and stack limits in the middle of a copy.
+constexpr int kMaxThreads = 1024;
+
 // Configured thread count (LMCACHE_KV_FAST_THREADS, else usable CPUs).
 int get_threads();
-// Set the thread count (1..1024). The pool grows lazily when a job needs more threads
-// than it has; a lower count leaves surplus workers asleep. ValueError outside range.
+// Set the thread count (1..kMaxThreads). The pool grows lazily when a job needs more
+// threads than it has; a lower count leaves surplus workers asleep. ValueError outside.
 void set_threads(int n);
 
 // Jobs of fewer bytes than this run on the calling thread only.

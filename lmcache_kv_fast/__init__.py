@@ -13,6 +13,7 @@ from lmcache_kv_fast.errors import (
     InvalidArgumentError,
     InvalidTypeError,
     KVCacheSDKError,
+    LMCacheSDKError,
     ProtocolError,
     ServerTimeoutError,
 )
@@ -28,6 +29,7 @@ __all__ = [
     "KVCacheSDKError",
     "KVLayout",
     "LMCacheKVCacheContext",
+    "LMCacheSDKError",
     "OpTiming",
     "ProtocolError",
     "ServerTimeoutError",

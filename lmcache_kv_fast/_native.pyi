@@ -3,14 +3,24 @@
 Addresses are plain ints (``tensor.data_ptr()``). ``scatter``/``gather`` validate every
 range they are given before any byte moves, but a region address that has no owning
 :class:`Mapping` is trusted: the Python layer (``copy.native_backend``) only passes such
-addresses after checking them against the tensor that backs the region. ``memcpy`` is
-entirely unchecked (benchmark/roofline helper).
+addresses after checking them against the tensor (and its storage) that backs the region.
+``memcpy`` only refuses null, overlapping and unmapped ranges (benchmark/roofline helper).
 """
 
 from collections.abc import Sequence
 from typing import Any, Literal
 
 __version__: str
+
+#: Most copy threads :func:`set_threads` accepts (CPU_SETSIZE).
+MAX_THREADS: int
+
+class TensorSpanError(ValueError):
+    """The tensor span of a ``scatter``/``gather`` cannot hold the shape.
+
+    Null ``tensor_ptr``, or ``tensor_nbytes`` below ``P*L*T*Dfull*itemsize``. The copy
+    backend turns it into ``InvalidArgumentError`` naming the tensor.
+    """
 
 PopulateMode = Literal[
     "auto", "none", "map_populate", "madvise", "parallel", "parallel_read", "resident"
@@ -112,12 +122,15 @@ def scatter(tensor_ptr: int, tensor_nbytes: int, shape: Sequence[int], itemsize:
     """Copy chunk ``chunk_ids[j]`` of the ``[P, L, T, Dfull]`` tensor into region j.
 
     ``shape`` is ``(P, L, T, Dfull)``; columns ``[col_offset, col_offset + width)`` are
-    copied; region j holds ``[P, L, chunk_tokens, width]`` C-order. ``owners[j]`` (if
-    given and not None) is the mapping region j must lie in; it stays mapped during the
-    copy. Runs with the GIL released, on the thread pool for large copies.
+    copied; region j holds ``[P, L, chunk_tokens, width]`` C-order. ``tensor_nbytes`` is
+    the memory backing the tensor from ``tensor_ptr`` (the backend passes what the
+    tensor's storage really holds from there). ``owners[j]`` (if given and not None) is
+    the mapping region j must lie in; it stays mapped during the copy. Runs with the GIL
+    released, on the thread pool for large copies.
 
     Raises:
-        ValueError: Any inconsistent size, index or range (before any byte moves).
+        TensorSpanError: Null ``tensor_ptr`` or ``tensor_nbytes`` below the shape's bytes.
+        ValueError: Any other inconsistent size, index or range (before any byte moves).
     """
 
 def gather(tensor_ptr: int, tensor_nbytes: int, shape: Sequence[int], itemsize: int,
@@ -127,10 +140,15 @@ def gather(tensor_ptr: int, tensor_nbytes: int, shape: Sequence[int], itemsize: 
     """Copy region j into chunk ``chunk_ids[j]`` of the tensor (see :func:`scatter`)."""
 
 def memcpy(dst: int, src: int, n: int) -> None:
-    """Parallel copy of ``n`` bytes on the pool. UNCHECKED addresses."""
+    """Parallel copy of ``n`` bytes on the pool (benchmark roofline helper, not SDK).
+
+    ValueError for null, overlapping or unmapped ranges; otherwise UNCHECKED: nothing
+    tells the core which buffer backs a raw address, so the caller guarantees both
+    ranges belong to live buffers (and ``dst`` to a writable one).
+    """
 
 def set_threads(n: int) -> None:
-    """Copy threads including the caller, 1..1024 (ValueError otherwise)."""
+    """Copy threads including the caller, 1..MAX_THREADS (ValueError otherwise)."""
 
 def get_threads() -> int:
     """Copy threads (default: LMCACHE_KV_FAST_THREADS, else usable CPUs)."""
@@ -215,3 +233,19 @@ def result_pool_trim() -> None:
 
 def validate_segment_name(name: str) -> str:
     """Return the bare name or raise ValueError."""
+
+def strided_copy(dst: int, dst_nbytes: int, dst_offset: int, src: int, src_nbytes: int,
+                 src_offset: int, itemsize: int, sizes: Sequence[int],
+                 dst_strides: Sequence[int], src_strides: Sequence[int]) -> None:
+    """Copy an N-d strided view of ``src`` into one of ``dst`` (a permutation copy).
+
+    Views: the buffer at ``dst`` / ``src`` of ``*_nbytes`` bytes, starting ``*_offset``
+    elements in, with per-dimension element ``*_strides`` over ``sizes``. Tiled over the
+    dimension with the smallest destination stride and the one with the smallest source
+    stride; runs on the copy pool with the GIL released.
+
+    Raises:
+        ValueError: A negative size/stride/offset, a view reaching outside its buffer,
+            overlapping buffers, a destination writing one element twice, or more than 16
+            dimensions.
+    """

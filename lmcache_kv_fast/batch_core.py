@@ -115,6 +115,7 @@ def check_common(ctx: Any, max_in_flight: int) -> None:
     """Validate the arguments every batch function takes."""
     if not isinstance(ctx, LMCacheKVCacheContext):
         raise InvalidArgumentError(f"ctx must be an LMCacheKVCacheContext, got {type(ctx).__name__}")
+    ctx._check_process()
     if type(max_in_flight) is not int or max_in_flight < 1:
         raise InvalidArgumentError(f"max_in_flight must be a positive int, got {max_in_flight!r}")
 

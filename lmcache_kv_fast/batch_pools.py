@@ -13,7 +13,7 @@ from collections.abc import Callable, Sequence
 import torch
 
 from lmcache_kv_fast.context import LMCacheKVCacheContext
-from lmcache_kv_fast.errors import InvalidArgumentError
+from lmcache_kv_fast.errors import InvalidArgumentError, InvalidTypeError
 
 
 class BufferPool:
@@ -29,8 +29,18 @@ class BufferPool:
     """
 
     def __init__(self, ctx: LMCacheKVCacheContext, max_tokens: int, size: int) -> None:
-        if size < 1 or max_tokens < 1:
-            raise InvalidArgumentError("BufferPool needs size >= 1 and max_tokens >= 1")
+        if not isinstance(ctx, LMCacheKVCacheContext):
+            raise InvalidTypeError(
+                f"BufferPool: ctx must be an LMCacheKVCacheContext, got {type(ctx).__name__}"
+            )
+        ctx._check_process()
+        for name, v in (("max_tokens", max_tokens), ("size", size)):
+            if type(v) is not int:
+                raise InvalidTypeError(
+                    f"BufferPool: {name} must be an int, got {type(v).__name__} {v!r:.40}"
+                )
+            if v < 1:
+                raise InvalidArgumentError(f"BufferPool: {name} must be >= 1, got {v}")
         self.shape = ctx.kv_shape(max_tokens)
         self._free: collections.deque[torch.Tensor] = collections.deque()
         for _ in range(size):

@@ -56,12 +56,16 @@ def cmd_info(args: argparse.Namespace) -> int:
             out["models"].setdefault(name, []).append({"instance": iid, "error": str(err)})
     engine_driven = status.get("non_cuda_context_meta") or {}
     out["engine_driven_registrations"] = len(engine_driven)
+    out["engine_driven"] = _engine_driven_models(status, args.model, set(out["models"]))
     if args.json:
         print(json.dumps(out, indent=2))
     else:
         for k, v in out.items():
-            if k != "models":
+            if k not in ("models", "engine_driven"):
                 print(f"{k:>26}: {v}")
+        for name, e in out["engine_driven"].items():
+            print(f"engine-driven model {name!r}: registrations {e['registrations']}")
+            print(f"  connect() would use: {e['connect']}")
         for name, entries in out["models"].items():
             print(f"model {name!r}:")
             for e in entries:
@@ -72,6 +76,34 @@ def cmd_info(args: argparse.Namespace) -> int:
                 for g in e["groups"]:
                     print(f"    {g}")
     return 0
+
+
+def _engine_driven_models(status: dict[str, Any], only: str | None,
+                          with_vllm: set[str]) -> dict[str, dict[str, Any]]:
+    """Per model registered only engine-driven: its registrations and what connect() resolves.
+
+    A CPU vLLM engine and every SDK context register that way (``non_cuda_context_meta``);
+    this process has no context of its own, so every entry counts (see
+    ``layout/engine_resolve.py`` for how the engine's entry is told from SDKs').
+    """
+    from lmcache_kv_fast.errors import KVCacheSDKError
+    from lmcache_kv_fast.layout import resolve_engine_layout
+
+    meta = status.get("non_cuda_context_meta") or {}
+    names = sorted({e.get("model_name") for e in meta.values()
+                    if isinstance(e, dict) and isinstance(e.get("model_name"), str)})
+    out: dict[str, dict[str, Any]] = {}
+    for name in names:
+        if (only and name != only) or name in with_vllm:
+            continue
+        regs = {iid: {k: v for k, v in e.items() if k != "model_name"}
+                for iid, e in meta.items() if isinstance(e, dict) and e.get("model_name") == name}
+        try:
+            what = resolve_engine_layout(status, name).describe()
+        except KVCacheSDKError as err:
+            what = f"cannot resolve: {err}"
+        out[name] = {"registrations": regs, "connect": what}
+    return out
 
 
 @contextlib.contextmanager
@@ -130,14 +162,14 @@ def cmd_server(args: argparse.Namespace) -> int:
 
 def cmd_bench(argv: list[str]) -> int:
     """Delegate to the benchmark harness."""
-    from lmcache_kv_fast.testing.benchmark import main as bench_main
+    from lmcache_kv_fast.testing.bench import main as bench_main
 
     return bench_main(argv)
 
 
 def cmd_events(argv: list[str]) -> int:
     """Delegate to the KV-events publisher."""
-    from lmcache_kv_fast.events import events_main
+    from lmcache_kv_fast.events.cli import events_main
 
     return events_main(argv)
 

@@ -1,14 +1,21 @@
 """Exception types of lmcache-kv-fast.
 
-``KVCacheSDKError`` keeps the upstream name (``lmcache.sdk.KVCacheSDKError``) so code
-written against the upstream SDK catches the same class. ``InvalidArgumentError`` is
-both a ``KVCacheSDKError`` and a ``ValueError`` so callers can use either convention.
+``LMCacheSDKError`` is the root of every error this project raises; it keeps the name of
+upstream 0.5.6 (``lmcache.sdk.context.LMCacheSDKError``), so a 0.5.6 program that catches
+it catches ours. ``KVCacheSDKError`` keeps the name of the older upstream SDK
+(``lmcache.sdk.kvcache.KVCacheSDKError``, 0.5.1/0.5.2) and is the base of the KV-cache
+errors below. ``InvalidArgumentError`` is both a ``KVCacheSDKError`` and a
+``ValueError`` so callers can use either convention.
 """
 
 from __future__ import annotations
 
 
-class KVCacheSDKError(RuntimeError):
+class LMCacheSDKError(RuntimeError):
+    """Root of every lmcache-kv-fast error (the 0.5.6 upstream name)."""
+
+
+class KVCacheSDKError(LMCacheSDKError):
     """Raised when an SDK KV-cache operation fails."""
 
 
@@ -34,3 +41,7 @@ class ProtocolError(KVCacheSDKError):
 
 class ContextClosedError(KVCacheSDKError):
     """The context was used after ``close()``."""
+
+
+class MissingExtraError(KVCacheSDKError, ImportError):
+    """An optional dependency is not installed; the message names the extra to install."""

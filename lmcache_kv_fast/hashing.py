@@ -1,4 +1,4 @@
-"""Client-side chunk hashes, computed exactly like the server's blake3 hasher (doc §8.1).
+"""Client-side chunk hashes, computed exactly like the server's blake3 hasher (docs/protocol.md §8.1).
 
 The MP server keys every cached chunk by a rolling blake3 hash of the token ids::
 
@@ -66,7 +66,7 @@ def blake3_available() -> bool:
 
 
 def none_hash() -> bytes:
-    """Return the chain seed ``blake3(int64_be(0) || uint32_be(0))`` (doc §8.1).
+    """Return the chain seed ``blake3(int64_be(0) || uint32_be(0))`` (docs/protocol.md §8.1).
 
     Raises:
         KVCacheSDKError: ``blake3`` is not installed.

@@ -14,6 +14,7 @@ the 0.5.6 style.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import Any
 
 import torch
 
@@ -46,6 +47,10 @@ def connect(
     copy_threads: int | None = None,
     heartbeat: bool = True,
     read_hints: bool = True,
+    model_config: Any = None,
+    block_size: int | None = None,
+    dtype: torch.dtype | str | None = None,
+    kernel: str | None = None,
 ) -> LMCacheKVCacheContext:
     """Connect to an LMCache MP server and register this SDK instance.
 
@@ -54,7 +59,11 @@ def connect(
         http_url: HTTP URL, ``http://host:port``.
         model_name: Model whose KV is stored/retrieved.
         timeout: Seconds every server call may take (connect probes use at most 5 s).
-        layout: Explicit geometry (no vLLM registration needed); see :class:`KVLayout`.
+        layout: Explicit geometry of the server's objects (no vLLM registration needed);
+            see :class:`KVLayout`. Without it and without a vLLM registration, a CPU
+            (engine-driven) vLLM engine's geometry is derived from its registration and
+            the model's configuration, and retrieve/store move per-token K/V
+            (docs/engine-kv-layout.md).
         world_size: Tensor-parallel KV shards of the model.
         copy_threads: Native copy threads (default: ``LMCACHE_KV_FAST_THREADS`` or cores).
         heartbeat: Keep the registration alive with pings while the context is open.
@@ -64,6 +73,13 @@ def connect(
             read early is kept only if the reply names the slot it came from, else read
             again (a stale hint costs the chunks read meanwhile, never a wrong byte).
             Overlaps the server's ~1.4 ms handling of that request with the copy.
+        model_config: A CPU engine's model configuration: its directory, ``config.json``,
+            a Hugging Face id in the local cache, or a dict (default: ``model_name``).
+        block_size: A CPU engine's vLLM block size (picks among disagreeing
+            registrations, or describes an engine that is not registered any more).
+        dtype: A CPU engine's KV dtype when it differs from the configuration's.
+        kernel: A CPU engine's attention kernel (``"vec"``, ``"vec16"``, ``"amx"``) when it
+            runs on another machine.
 
     Returns:
         A connected context.
@@ -74,6 +90,7 @@ def connect(
     return LMCacheKVCacheContext(
         url, http_url, model_name, timeout, layout=layout, world_size=world_size,
         copy_threads=copy_threads, heartbeat=heartbeat, read_hints=read_hints,
+        model_config=model_config, block_size=block_size, dtype=dtype, kernel=kernel,
     )
 
 
@@ -84,9 +101,13 @@ def retrieve(
     *,
     out: torch.Tensor | None = None,
     request_configs: dict | None = None,
+    raw: bool = False,
 ) -> torch.Tensor | None:
-    """Retrieve the KV of the cached prefix of ``tokens`` (see ``ctx.retrieve``)."""
-    return ctx.retrieve(tokens, cache_salt, out=out, request_configs=request_configs)
+    """Retrieve the KV of the cached prefix of ``tokens`` (see ``ctx.retrieve``).
+
+    Per-token K/V for a CPU engine unless ``raw`` (the engine's rows).
+    """
+    return ctx.retrieve(tokens, cache_salt, out=out, request_configs=request_configs, raw=raw)
 
 
 def store(
@@ -96,9 +117,13 @@ def store(
     cache_salt: str = "",
     *,
     request_configs: dict | None = None,
+    raw: bool = False,
 ) -> bool:
-    """Store ``kv`` under ``tokens``; True when every whole chunk is cached afterwards."""
-    return ctx.store(kv, tokens, cache_salt, request_configs=request_configs)
+    """Store ``kv`` under ``tokens``; True when every whole chunk is cached afterwards.
+
+    For a CPU engine ``kv`` is per-token K/V unless ``raw`` (the engine's rows).
+    """
+    return ctx.store(kv, tokens, cache_salt, request_configs=request_configs, raw=raw)
 
 
 def store_ex(
@@ -106,9 +131,12 @@ def store_ex(
     kv: torch.Tensor,
     tokens: Sequence[int],
     cache_salt: str = "",
+    *,
+    request_configs: dict | None = None,
+    raw: bool = False,
 ) -> StoreResult:
     """Store and report per-chunk outcomes (see ``ctx.store_ex``)."""
-    return ctx.store_ex(kv, tokens, cache_salt)
+    return ctx.store_ex(kv, tokens, cache_salt, request_configs=request_configs, raw=raw)
 
 
 def lookup(ctx: LMCacheKVCacheContext, tokens: Sequence[int], cache_salt: str = "") -> int:

@@ -1,5 +1,5 @@
 # Compatibility matrix against every real LMCache MP server 0.5.1 .. 0.5.6 (tests/compat,
-# protocol doc Appendix C). Included from the Makefile.
+# docs/protocol.md Appendix C). Included from the Makefile.
 #
 #   make test-compat   create/reuse one cached venv per old server version under
 #                      .venv-compat/<ver> (scripts/compat-venvs.sh; ~1.5 min and 1.3 GB each

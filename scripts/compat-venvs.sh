@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Create (or reuse) one venv per old LMCache MP server version for the compatibility matrix
-# (tests/compat, `make test-compat`, protocol doc Appendix C):
+# (tests/compat, `make test-compat`, docs/protocol.md Appendix C):
 #
 #   .venv-compat/<ver>   python3 -m venv; torch==2.13.0 (CPU, local wheel);
 #                        lmcache==<ver> --no-deps; the CPU server runtime pins of

@@ -4,6 +4,7 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 ./scripts/setup.sh
+./scripts/engine-venv.sh  # vLLM CPU engine venv for tests/engine (cached after the first run)
 export LMCACHE_TRACK_USAGE=false DO_NOT_TRACK=1 LMCACHE_DISABLE_BANNER=1
 PYTEST=".venv/bin/python -m pytest"
 echo "[test] ruff"; .venv/bin/ruff check lmcache_kv_fast tests benches examples

@@ -1,10 +1,15 @@
-"""Shared fixtures: real LMCache servers (SHM and pickle planes) and registered models."""
+"""Shared fixtures: real LMCache servers (SHM and pickle planes) and registered models.
+
+The real-engine fixtures (vLLM CPU engine, its server, the oracle) live in
+tests/engine_fixtures.py, session-scoped and stopped right after their last test.
+"""
 
 from __future__ import annotations
 
 import itertools
 import os
 import random
+import signal
 import threading
 import uuid
 from collections.abc import Callable, Iterator
@@ -12,10 +17,40 @@ from dataclasses import dataclass
 
 import pytest
 import torch
+from engine_fixtures import (  # noqa: F401 - fixtures shared by tests/engine and tests/sdk
+    engine_server,
+    mark_engine_items,
+    model_name,
+    offline_engine,
+    openai_engine,
+    oracle,
+    release_unused,
+    tiny_model,
+)
 
 from lmcache_kv_fast.testing import LMCacheServer, register_vllm_layout
 
 _MODEL_COUNTER = itertools.count()
+
+
+def _terminate(signum: int, frame: object) -> None:
+    raise KeyboardInterrupt(f"pytest got signal {signum}")
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    """A SIGTERM (CI timeout, ``kill``) stops pytest like Ctrl-C: every fixture's teardown
+    still runs, so no server, engine, Ray cluster or SHM segment outlives the run."""
+    signal.signal(signal.SIGTERM, _terminate)
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    mark_engine_items(items)
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_teardown(item: pytest.Item, nextitem: pytest.Item | None):
+    yield
+    release_unused(item)
 
 
 def _start(shm: bool, **kw) -> Iterator[LMCacheServer]:

@@ -12,11 +12,19 @@ server side.
 from __future__ import annotations
 
 import math
+import operator
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Any, Protocol
 
 import torch
+
+from lmcache_kv_fast.errors import InvalidArgumentError, InvalidTypeError
+
+#: Most copy threads a backend accepts (the native core's limit, ``_native.MAX_THREADS``:
+#: CPU_SETSIZE, the most CPUs an affinity mask names; the pool creates every requested
+#: thread on the next large copy, so a huge count would exhaust the thread limits).
+MAX_COPY_THREADS = 1024
 
 
 @dataclass(frozen=True)
@@ -102,27 +110,50 @@ class Segment(Protocol):
         ...
 
 
+def check_copy_threads(n: Any, what: str = "copy_threads") -> int:
+    """Return ``n`` as an int in ``[1, MAX_COPY_THREADS]``.
+
+    Raises:
+        InvalidTypeError: ``n`` is not an integer (or is a bool).
+        InvalidArgumentError: ``n`` is outside the range.
+    """
+    if isinstance(n, bool):
+        raise InvalidTypeError(f"{what} must be an int, got {n!r}")
+    try:
+        v = operator.index(n)
+    except TypeError as err:
+        raise InvalidTypeError(f"{what} must be an int, got {type(n).__name__}") from err
+    if not 1 <= v <= MAX_COPY_THREADS:
+        raise InvalidArgumentError(
+            f"{what} must be in [1, {MAX_COPY_THREADS}] (at most one thread per CPU an "
+            f"affinity mask can name), got {v}"
+        )
+    return v
+
+
 def check_tensor_view(t: torch.Tensor, geom: ChunkGeometry, col_offset: int, what: str) -> int:
     """Check ``t`` can be addressed as ``[P, L, T, Dfull]`` for ``geom``; return T.
 
     Raises:
-        ValueError: Wrong rank/shape/dtype size, not contiguous, or not on the CPU.
+        InvalidArgumentError: Wrong rank/shape/dtype size, not contiguous, or not on the
+            CPU (also a ValueError).
     """
     if t.device.type != "cpu":
-        raise ValueError(f"{what} must be a CPU tensor, got device {t.device}")
+        raise InvalidArgumentError(f"{what} must be a CPU tensor, got device {t.device}")
     if not t.is_contiguous():
-        raise ValueError(f"{what} must be contiguous")
+        raise InvalidArgumentError(f"{what} must be contiguous")
     if t.element_size() != geom.itemsize:
-        raise ValueError(f"{what} has itemsize {t.element_size()}, expected {geom.itemsize}")
+        raise InvalidArgumentError(
+            f"{what} has itemsize {t.element_size()}, expected {geom.itemsize}")
     shape = tuple(t.shape)
     if len(shape) == 3:
         shape = (1, *shape)
     if len(shape) != 4 or shape[0] != geom.planes or shape[1] != geom.layers:
-        raise ValueError(
+        raise InvalidArgumentError(
             f"{what} has shape {tuple(t.shape)}, expected [{geom.planes}, {geom.layers}, T, D]"
         )
     if col_offset < 0 or col_offset + geom.width > shape[3]:
-        raise ValueError(
+        raise InvalidArgumentError(
             f"{what}: columns [{col_offset}, {col_offset + geom.width}) exceed D={shape[3]}"
         )
     return shape[2]

@@ -6,10 +6,15 @@ threads. Importing this module imports the extension, so :mod:`copy.select` fall
 the torch backend when the compiled module is missing.
 
 Safety model: Python hands the core raw addresses, and every address range is validated
-before the GIL is released. Regions must come from :meth:`NativeSegment.regions` (checked
-against the mapping, which stays mapped until copies using it finish even if closed
-meanwhile) or carry a CPU tensor covering them (:meth:`Region.of_tensor`, the torch
-backend's regions); regions with only a raw address are refused.
+before the GIL is released. The KV tensor passes :mod:`copy.tensor_checks` (its storage
+holds what its shape addresses; neg/conj bits resolved for a source, refused for a
+destination) and the core gets its data pointer with the bytes its storage really holds
+from there, so the core's own bounds check is against the real memory too (a failure
+there, ``_native.TensorSpanError``, becomes :class:`InvalidArgumentError`). Regions must
+come from :meth:`NativeSegment.regions` (checked against the mapping, which stays mapped
+until copies using it finish even if closed meanwhile) or carry a CPU tensor whose storage
+covers them (:meth:`Region.of_tensor`, the torch backend's regions); regions with only a
+raw address are refused.
 
 Tuning (environment): ``LMCACHE_KV_FAST_THREADS`` (copy threads, default: usable CPUs),
 ``LMCACHE_KV_FAST_RESULT_POOL_MB`` (bytes of recycled result buffers kept, default
@@ -32,9 +37,12 @@ from lmcache_kv_fast.copy.base import (
     Region,
     SlotLike,
     check_chunk_ids,
+    check_copy_threads,
     check_tensor_view,
     numel,
 )
+from lmcache_kv_fast.copy.tensor_checks import check_destination, check_source
+from lmcache_kv_fast.errors import InvalidArgumentError
 
 logger = logging.getLogger(__name__)
 
@@ -179,11 +187,15 @@ def _region_args(regions: Sequence[Region], what: str
             if t.device.type != "cpu":
                 raise ValueError(f"{what}: region {j} tensor is on {t.device}, not the CPU")
             base = t.data_ptr()
-            if not t.is_contiguous() or addr < base or (
-                addr + nbytes > base + t.numel() * t.element_size()
-            ):
+            isz = t.element_size()
+            st = t.untyped_storage()  # what really backs it (its storage may have shrunk)
+            backed = min(t.numel() * isz, st.nbytes() - t.storage_offset() * isz)
+            if (not t.is_contiguous() or st.data_ptr() == 0 or addr < base
+                    or addr + nbytes > base + backed):
                 raise ValueError(
-                    f"{what}: region {j} [{addr:#x}, +{nbytes}) is not covered by its tensor"
+                    f"{what}: region {j} [{addr:#x}, +{nbytes}) is not covered by its tensor "
+                    f"({t.numel() * isz} bytes at {base:#x}, {max(backed, 0)} of them in "
+                    "its storage)"
                 )
             keep.append(t)
         else:
@@ -198,38 +210,54 @@ def _region_args(regions: Sequence[Region], what: str
 
 
 def _copy(op: str, t: torch.Tensor, geom: ChunkGeometry, chunk_ids: Sequence[int],
-          regions: Sequence[Region], col_offset: int) -> None:
+          regions: Sequence[Region], col_offset: int, what: str) -> None:
     """Validate, then run ``_native.scatter`` (tensor → regions) or ``_native.gather``."""
-    what = "source tensor" if op == "scatter" else "destination tensor"
     tokens = check_tensor_view(t, geom, col_offset, what)
+    t = check_source(t, what) if op == "scatter" else check_destination(t, what)
     check_chunk_ids(chunk_ids, len(regions), tokens, geom.chunk_tokens, op)
     addrs, lens, owners, keep = _region_args(regions, op)
     if not addrs:
         return
-    getattr(_native, op)(t.data_ptr(), t.numel() * t.element_size(), _shape4(t),
-                         geom.itemsize, geom.width, col_offset, geom.chunk_tokens,
-                         [int(i) for i in chunk_ids], addrs, lens, owners)
+    # The bytes that really back the tensor (its storage may be smaller than its shape if
+    # it shrank since the check above ran; the core checks every run against this).
+    backed = min(t.numel() * t.element_size(),
+                 t.untyped_storage().nbytes() - t.storage_offset() * t.element_size())
+    try:
+        getattr(_native, op)(t.data_ptr(), max(backed, 0), _shape4(t),
+                             geom.itemsize, geom.width, col_offset, geom.chunk_tokens,
+                             [int(i) for i in chunk_ids], addrs, lens, owners)
+    except _native.TensorSpanError as err:
+        raise InvalidArgumentError(f"{what}: {err}") from err
     del keep
 
 
 def scatter(src: torch.Tensor, geom: ChunkGeometry, chunk_ids: Sequence[int],
-            regions: Sequence[Region], col_offset: int = 0) -> None:
+            regions: Sequence[Region], col_offset: int = 0, *, what: str = "kv") -> None:
     """Copy chunk ``chunk_ids[j]`` of ``src`` into ``regions[j]`` for every j.
 
+    ``src`` passes :func:`~copy.tensor_checks.check_source` (a neg/conj view is resolved
+    first, so the regions get its logical values); ``what`` names it in errors.
+
     Raises:
-        ValueError: Bad tensor view, chunk ids, or regions (nothing is copied then).
+        InvalidArgumentError: Bad tensor (view, storage smaller than its shape, freed).
+        ValueError: Bad chunk ids or regions (nothing is copied then).
     """
-    _copy("scatter", src, geom, chunk_ids, regions, col_offset)
+    _copy("scatter", src, geom, chunk_ids, regions, col_offset, what)
 
 
 def gather(dst: torch.Tensor, geom: ChunkGeometry, chunk_ids: Sequence[int],
-           regions: Sequence[Region], col_offset: int = 0) -> None:
+           regions: Sequence[Region], col_offset: int = 0, *, what: str = "out") -> None:
     """Copy ``regions[j]`` into chunk ``chunk_ids[j]`` of ``dst`` for every j.
 
+    ``dst`` passes :func:`~copy.tensor_checks.check_destination`; ``what`` names it in
+    errors.
+
     Raises:
-        ValueError: Bad tensor view, chunk ids, or regions (nothing is copied then).
+        InvalidArgumentError: Bad tensor (view, storage smaller than its shape, freed,
+            negative / conjugate bit set).
+        ValueError: Bad chunk ids or regions (nothing is copied then).
     """
-    _copy("gather", dst, geom, chunk_ids, regions, col_offset)
+    _copy("gather", dst, geom, chunk_ids, regions, col_offset, what)
 
 
 def alloc_result(shape: Sequence[int], dtype: torch.dtype) -> torch.Tensor:
@@ -256,9 +284,11 @@ def set_threads(n: int) -> None:
     """Set the number of copy threads (including the calling thread).
 
     Raises:
-        ValueError: ``n`` outside ``[1, 1024]``.
+        InvalidArgumentError: ``n`` outside ``[1, MAX_COPY_THREADS]`` (1024, the core's
+            ``_native.MAX_THREADS``); the message names ``copy_threads``.
+        InvalidTypeError: ``n`` is not an int.
     """
-    _native.set_threads(int(n))
+    _native.set_threads(check_copy_threads(n))
 
 
 def get_threads() -> int:

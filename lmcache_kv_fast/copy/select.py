@@ -63,3 +63,11 @@ def backend() -> ModuleType:
 def backend_name() -> str:
     """Return ``"native"`` or ``"torch"``: which backend is live."""
     return backend().NAME
+
+
+def usable_cores() -> int:
+    """Cores this process may run on."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # pragma: no cover - non-Linux
+        return os.cpu_count() or 1

@@ -1,7 +1,10 @@
 """Pure-torch copy backend: the reference for parity tests and the fallback.
 
 Copies with ``Tensor.copy_`` on views; the segment is a Python ``mmap`` exposed as one
-uint8 tensor.
+uint8 tensor. The KV tensor and the region tensors pass :mod:`copy.tensor_checks` like
+in the native backend (torch refuses views past a shrunk storage with a RuntimeError
+only when it builds them; the checks give the same InvalidArgumentError as the native
+backend, and the same neg/conj semantics).
 """
 
 from __future__ import annotations
@@ -18,8 +21,10 @@ from lmcache_kv_fast.copy.base import (
     Region,
     SlotLike,
     check_chunk_ids,
+    check_copy_threads,
     check_tensor_view,
 )
+from lmcache_kv_fast.copy.tensor_checks import check_destination, check_source, check_storage
 
 NAME = "torch"
 
@@ -110,34 +115,54 @@ def open_segment(name: str, size: int | None = None) -> TorchSegment:
     return TorchSegment(name, size)
 
 
-def _region_view(r: Region, geom: ChunkGeometry, dtype: torch.dtype) -> torch.Tensor:
-    if r.tensor is None:
-        raise ValueError("the torch backend needs regions that carry a tensor view")
-    if r.nbytes != geom.chunk_nbytes:
-        raise ValueError(f"region of {r.nbytes} bytes, expected {geom.chunk_nbytes}")
-    return r.tensor.view(dtype).view(geom.object_shape())
+def _region_views(regions: Sequence[Region], geom: ChunkGeometry, dtype: torch.dtype,
+                  what: str) -> list[torch.Tensor]:
+    """Each region's tensor as a ``[P, L, C, W]`` view, after checking its storage."""
+    views = []
+    for j, r in enumerate(regions):
+        if r.tensor is None:
+            raise ValueError("the torch backend needs regions that carry a tensor view")
+        if r.nbytes != geom.chunk_nbytes:
+            raise ValueError(f"region of {r.nbytes} bytes, expected {geom.chunk_nbytes}")
+        check_storage(r.tensor, f"{what}: region {j}")
+        views.append(r.tensor.view(dtype).view(geom.object_shape()))
+    return views
 
 
 def scatter(src: torch.Tensor, geom: ChunkGeometry, chunk_ids: Sequence[int],
-            regions: Sequence[Region], col_offset: int = 0) -> None:
-    """Copy chunk ``chunk_ids[j]`` of ``src`` into ``regions[j]`` for every j."""
-    tokens = check_tensor_view(src, geom, col_offset, "source tensor")
+            regions: Sequence[Region], col_offset: int = 0, *, what: str = "kv") -> None:
+    """Copy chunk ``chunk_ids[j]`` of ``src`` into ``regions[j]`` for every j.
+
+    Raises:
+        InvalidArgumentError: Bad tensor (see the native backend's ``scatter``).
+        ValueError: Bad chunk ids or regions (nothing is copied then).
+    """
+    tokens = check_tensor_view(src, geom, col_offset, what)
+    src = check_source(src, what)
     check_chunk_ids(chunk_ids, len(regions), tokens, geom.chunk_tokens, "scatter")
+    views = _region_views(regions, geom, src.dtype, "scatter")
     s4 = _as4d(src)
     c, w = geom.chunk_tokens, geom.width
-    for i, r in zip(chunk_ids, regions, strict=True):
-        _region_view(r, geom, src.dtype).copy_(s4[:, :, i * c:(i + 1) * c, col_offset:col_offset + w])
+    for i, v in zip(chunk_ids, views, strict=True):
+        v.copy_(s4[:, :, i * c:(i + 1) * c, col_offset:col_offset + w])
 
 
 def gather(dst: torch.Tensor, geom: ChunkGeometry, chunk_ids: Sequence[int],
-           regions: Sequence[Region], col_offset: int = 0) -> None:
-    """Copy ``regions[j]`` into chunk ``chunk_ids[j]`` of ``dst`` for every j."""
-    tokens = check_tensor_view(dst, geom, col_offset, "destination tensor")
+           regions: Sequence[Region], col_offset: int = 0, *, what: str = "out") -> None:
+    """Copy ``regions[j]`` into chunk ``chunk_ids[j]`` of ``dst`` for every j.
+
+    Raises:
+        InvalidArgumentError: Bad tensor (see the native backend's ``gather``).
+        ValueError: Bad chunk ids or regions (nothing is copied then).
+    """
+    tokens = check_tensor_view(dst, geom, col_offset, what)
+    check_destination(dst, what)
     check_chunk_ids(chunk_ids, len(regions), tokens, geom.chunk_tokens, "gather")
+    views = _region_views(regions, geom, dst.dtype, "gather")
     d4 = _as4d(dst)
     c, w = geom.chunk_tokens, geom.width
-    for i, r in zip(chunk_ids, regions, strict=True):
-        d4[:, :, i * c:(i + 1) * c, col_offset:col_offset + w].copy_(_region_view(r, geom, dst.dtype))
+    for i, v in zip(chunk_ids, views, strict=True):
+        d4[:, :, i * c:(i + 1) * c, col_offset:col_offset + w].copy_(v)
 
 
 def alloc_result(shape: Sequence[int], dtype: torch.dtype) -> torch.Tensor:
@@ -146,7 +171,13 @@ def alloc_result(shape: Sequence[int], dtype: torch.dtype) -> torch.Tensor:
 
 
 def set_threads(n: int) -> None:
-    """No-op: the torch backend uses torch's own intra-op threads."""
+    """Check ``n`` like the native backend does; otherwise a no-op (torch's own threads).
+
+    Raises:
+        InvalidArgumentError: ``n`` outside ``[1, MAX_COPY_THREADS]``.
+        InvalidTypeError: ``n`` is not an int.
+    """
+    check_copy_threads(n)
 
 
 def get_threads() -> int:

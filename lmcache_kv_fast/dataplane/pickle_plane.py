@@ -1,8 +1,8 @@
-"""Pickle data plane (protocol doc §7.4, §7.5).
+"""Pickle data plane (docs/protocol.md §7.4, §7.5).
 
 The server pickles a list of CPU chunk tensors into ``prepare_retrieve``'s ``data`` and
 unpickles our list on ``commit_store``. Unpickling peer data with ``pickle.loads`` would let
-a hostile server run code in the client (doc §11 #4), so replies are read with a
+a hostile server run code in the client (docs/protocol.md §11 #4), so replies are read with a
 restricted unpickler: only the three globals a tensor pickle needs are resolved, storages
 are loaded with ``torch.load(weights_only=True)``, and the result must be a list of CPU
 tensors of exactly the expected count, shape and dtype.

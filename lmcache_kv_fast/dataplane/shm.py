@@ -1,4 +1,4 @@
-"""SHM data plane: the server's L1 pool segment, mapped once per context (doc §7.1-7.3)."""
+"""SHM data plane: the server's L1 pool segment, mapped once per context (docs/protocol.md §7.1-7.3)."""
 
 from __future__ import annotations
 
@@ -16,7 +16,7 @@ logger = logging.getLogger(__name__)
 
 def check_slots_match(slots: Sequence[Slot], geom: ChunkGeometry, dtype_str: str,
                       what: str) -> None:
-    """Check slot descriptors describe objects of our geometry (doc §7.2).
+    """Check slot descriptors describe objects of our geometry (docs/protocol.md §7.2).
 
     Accepts ``[P, L, C, W]`` and, for single-plane objects, ``[1, L, C, W]``/``[L, C, W]``.
 
@@ -82,6 +82,22 @@ class ShmPlane:
         check_slots_match(slots, geom, dtype_str, what)
         try:
             return self.segment.regions(slots, geom.chunk_nbytes, self.align)
+        except ValueError as err:
+            raise ProtocolError(f"{what}: refused slot descriptor: {err}") from err
+
+    def check_mapped(self, slots: Sequence[Slot], geom: ChunkGeometry, what: str) -> None:
+        """Check slots that already passed :meth:`regions` still fit the mapping now.
+
+        For a reply naming exactly the slots validated a moment ago (read hints): only
+        the segment can have changed since (a peer that shrank it).
+
+        Raises:
+            ProtocolError: A slot no longer fits the mapping.
+        """
+        if self.segment is None:
+            raise KVCacheSDKError("the SHM mapping is closed")
+        try:
+            self.segment.regions(slots, geom.chunk_nbytes, self.align)
         except ValueError as err:
             raise ProtocolError(f"{what}: refused slot descriptor: {err}") from err
 

@@ -1,4 +1,4 @@
-"""Decode the server's ``/status`` ``cache_context_meta`` entries (protocol doc §5.2, §6).
+"""Decode the server's ``/status`` ``cache_context_meta`` entries (docs/protocol.md §5.2, §6).
 
 A vLLM (lmcache-driven) registration shows up in ``GET /status`` as one entry per
 rank under ``cache_context_meta``::
@@ -13,11 +13,11 @@ rank under ``cache_context_meta``::
 
 :func:`decode_status_entry` turns it into a :class:`DecodedEntry`: one
 :class:`DecodedGroup` per kernel group and, for a single-group model, the
-:class:`ChunkObject` the SDK registers and moves (doc §6.3). Everything the server
+:class:`ChunkObject` the SDK registers and moves (docs/protocol.md §6.3). Everything the server
 sent is validated; anything missing, ill-typed or inconsistent raises
 :class:`~lmcache_kv_fast.errors.KVCacheSDKError` naming the field and what came.
 Hybrid (multi-group) entries decode without error; :meth:`DecodedEntry.require_single_group`
-refuses them with a per-group explanation (doc §8.6).
+refuses them with a per-group explanation (docs/protocol.md §8.6).
 """
 
 from __future__ import annotations
@@ -134,7 +134,7 @@ def format_layer_indices(indices: Sequence[int]) -> str:
 
 # ---------------------------------------------------------------------- concrete shape
 def parse_concrete_shape(text: str) -> tuple[tuple[int | str, ...], tuple[int, ...]]:
-    """Parse an ``engine_kv_concrete_shape`` string (protocol doc §6.2).
+    """Parse an ``engine_kv_concrete_shape`` string (docs/protocol.md §6.2).
 
     The innermost tensor is the text inside the **last** ``[...]``; what precedes it
     are list levels joined by ``" x "``. Numeric levels become ints; symbolic ones
@@ -355,7 +355,7 @@ class DecodedEntry:
         Raises:
             KVCacheSDKError: The entry has several kernel groups; the message names
                 each group's layers, format and block size and explains why the
-                engine-driven path cannot serve it (protocol doc §8.6).
+                engine-driven path cannot serve it (docs/protocol.md §8.6).
 
         """
         if self.chunk is not None:
@@ -366,7 +366,7 @@ class DecodedEntry:
             f"kernel groups: {lines}. The server's engine-driven path, which this SDK "
             "uses, handles exactly one group (one [planes, L, C, D] object shape, object "
             "group 0), and registering one for this model would replace vLLM's "
-            "multi-group layout on the server until vLLM re-registers (protocol doc "
+            "multi-group layout on the server until vLLM re-registers (docs/protocol.md "
             "§8.6). Only single-group models are supported"
         )
 
@@ -688,7 +688,7 @@ def _chunk_object(group: DecodedGroup, chunk_size: int, model_name: str) -> Chun
         raise KVCacheSDKError(
             f"model {model_name!r}: slots_per_block {group.slots_per_block} != "
             f"tokens_per_block {group.block_size} (a compressed KV group); the "
-            "engine-driven path needs one physical slot per token (protocol doc §8.6)"
+            "engine-driven path needs one physical slot per token (docs/protocol.md §8.6)"
         )
     if chunk_size % group.block_size:
         raise KVCacheSDKError(

@@ -4,7 +4,7 @@ A serving engine with a hybrid KV cache (e.g. full attention + sliding window)
 exposes several *engine groups*; a block id only means something inside its own
 group. LMCache describes this as a ``list[EngineGroupInfo]`` in protocol order (one
 entry per LMCache KV group; several entries may share an engine group), sent with
-``register_kv_cache`` and used to split block ids per group (protocol doc §4.6). An
+``register_kv_cache`` and used to split block ids per group (docs/protocol.md §4.6). An
 empty list means one non-hybrid group. Engine group ids are dense from 0.
 
 The helpers here mirror LMCache 0.5.6's ``multiprocess/group_view.py`` behaviour

@@ -1,4 +1,4 @@
-"""The 19 ``EngineKVFormat`` values of LMCache 0.5.6 as one table (protocol doc §6.1).
+"""The 19 ``EngineKVFormat`` values of LMCache 0.5.6 as one table (docs/protocol.md §6.1).
 
 An engine KV format names the shape of the paged KV cache that a serving engine
 registered with the server. The enum *name is the shape*: ``_X_`` separates list
@@ -169,8 +169,8 @@ class FormatSpec:
 
         For ``..._TWO_HS`` fused formats (10, 11) the printed value is ambiguous:
         0.5.6's ``/status`` prints the *packed* head size (2·HS) in the HS
-        position (factor 1), while the raw per-layer tensor shape (and the
-        protocol doc's table) carries the per-half HS (factor 2). The first factor
+        position (factor 1), while the raw per-layer tensor shape carries the
+        per-half HS (factor 2). The first factor
         is what 0.5.6's ``/status`` produces; a decoder may use
         ``cache_size_per_token`` to choose.
         """

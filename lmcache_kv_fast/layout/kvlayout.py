@@ -3,7 +3,7 @@
 A two-plane layout's contiguous KV tensor is ``[2, L, T, D]`` with
 ``D = num_kv_heads * head_dim`` (plane 0 = K, plane 1 = V); a single-plane (MLA)
 layout's is ``[L, T, D]`` with ``D = head_dim`` (the latent width). With a KV world
-size ``W > 1`` (tensor-parallel shards, protocol doc §8.5) each shard of a two-plane
+size ``W > 1`` (tensor-parallel shards, docs/protocol.md §8.5) each shard of a two-plane
 layout holds ``num_kv_heads / W`` heads, i.e. ``D / W`` columns of every plane; an
 MLA latent is replicated, so every shard holds the full ``D``.
 """
@@ -12,6 +12,8 @@ from __future__ import annotations
 
 import logging
 import operator
+import os
+from collections.abc import Mapping
 from dataclasses import dataclass, fields
 from typing import TYPE_CHECKING, Any
 
@@ -22,7 +24,7 @@ from lmcache_kv_fast.errors import InvalidArgumentError, InvalidTypeError, KVCac
 if TYPE_CHECKING:
     from lmcache_kv_fast.layout.decode import DecodedEntry
 
-__all__ = ["SUPPORTED_DTYPES", "KVLayout", "normalize_dtype"]
+__all__ = ["SUPPORTED_DTYPES", "KVLayout", "layout_from_hf_config", "normalize_dtype"]
 
 logger = logging.getLogger(__name__)
 
@@ -208,7 +210,7 @@ class KVLayout:
         return (2, self.num_layers, tokens, self.hidden_size)
 
     def chunk_shape(self, chunk_size: int, world_size: int = 1) -> tuple[int, ...]:
-        """Shape of one engine-driven chunk object of one shard (doc §6.3).
+        """Shape of one engine-driven chunk object of one shard (docs/protocol.md §6.3).
 
         Args:
             chunk_size: Tokens per chunk ``C``.
@@ -265,6 +267,38 @@ class KVLayout:
                     mine, theirs = _dtype_name(mine), _dtype_name(theirs)
                 out.append(f"{f.name}: {mine} != {theirs}")
         return out
+
+    @classmethod
+    def from_hf_config(cls, config: str | os.PathLike[str] | Mapping[str, Any], *,
+                       dtype: torch.dtype | str | None = None, block_size: int = 16) -> KVLayout:
+        """Build the layout from a Hugging Face model configuration.
+
+        See :func:`layout_from_hf_config`: reads
+        ``num_hidden_layers``, ``num_key_value_heads``, ``head_dim`` (or ``hidden_size /
+        num_attention_heads``) and ``dtype``/``torch_dtype``; MLA models give the
+        single-plane latent layout; hybrid models are refused.
+
+        Args:
+            config: A model directory, its ``config.json``, a Hugging Face id in the local
+                cache, or the configuration as a mapping.
+            dtype: KV dtype, overriding the configuration's.
+            block_size: Engine tokens per block.
+
+        Returns:
+            The model's layout.
+
+        Raises:
+            KVCacheSDKError: Not found (``ModelConfigNotFoundError``), missing or invalid
+                fields, a hybrid model, or no dtype known.
+
+        Example:
+            >>> KVLayout.from_hf_config({"num_hidden_layers": 2, "num_attention_heads": 4,
+            ...     "num_key_value_heads": 2, "hidden_size": 256, "dtype": "bfloat16"},
+            ...     block_size=128).tensor_shape(256)
+            (2, 2, 256, 128)
+
+        """
+        return layout_from_hf_config(config, dtype=dtype, block_size=block_size)
 
     @classmethod
     def from_decoded(cls, entry: DecodedEntry, world_size: int | None = None) -> KVLayout:
@@ -331,3 +365,42 @@ class KVLayout:
             block_size=chunk.block_size,
             mla=False,
         )
+
+
+def layout_from_hf_config(config: str | os.PathLike[str] | Mapping[str, Any], *,
+                          dtype: torch.dtype | str | None = None, block_size: int = 16,
+                          ) -> KVLayout:
+    """KV layout of a model from its Hugging Face configuration.
+
+    Reads ``num_hidden_layers``, ``num_key_value_heads`` (default
+    ``num_attention_heads``), ``head_dim`` (default ``hidden_size //
+    num_attention_heads``) and ``dtype``/``torch_dtype``, from ``text_config`` for
+    multimodal models (:func:`~lmcache_kv_fast.layout.hf_config.hf_kv_geometry`). MLA
+    models (DeepSeek-V2/V3 style: ``kv_lora_rank``) give a single-plane layout of width
+    ``kv_lora_rank + qk_rope_head_dim``, which is what vLLM caches for them. Hybrid models
+    (``layer_types`` with non-attention layers) are refused.
+
+    Args:
+        config: A model directory, its ``config.json``, a Hugging Face id in the local
+            cache, or the configuration as a mapping.
+        dtype: KV dtype; overrides the configuration's (pass it when the engine runs with
+            another ``--dtype`` than the checkpoint's, or the config has none).
+        block_size: Engine tokens per block (from ``/status`` or the engine's flags).
+
+    Returns:
+        The layout of the whole model (all KV heads).
+
+    Raises:
+        ModelConfigNotFoundError: The configuration cannot be found.
+        KVCacheSDKError: A field is missing or invalid, the model is hybrid, or no dtype is
+            known (the message names the field or what to pass).
+        InvalidArgumentError: ``dtype`` or ``block_size`` is invalid.
+    """
+    from lmcache_kv_fast.layout.hf_config import hf_kv_geometry
+
+    geo = hf_kv_geometry(config, dtype=dtype)
+    try:
+        return KVLayout(block_size=block_size, **geo)
+    except InvalidArgumentError as err:
+        where = f" of {config!r}" if isinstance(config, str | os.PathLike) else ""
+        raise InvalidArgumentError(f"model configuration{where}: {err}") from err

@@ -1,4 +1,4 @@
-"""Frame encoding/decoding of the ZMQ control plane (protocol doc §2.2, §2.5)."""
+"""Frame encoding/decoding of the ZMQ control plane (docs/protocol.md §2.2, §2.5)."""
 
 from __future__ import annotations
 
@@ -30,9 +30,14 @@ def decode(frame: bytes, tp: Any, *, what: str) -> Any:
     """Decode a reply frame as ``tp``.
 
     Raises:
-        ProtocolError: If the frame is not a valid msgpack document of that type.
+        ProtocolError: If the frame is not a valid msgpack document of that type (one
+            nested deeper than Python's recursion limit included).
     """
     try:
         return decoder_for(tp).decode(frame)
     except (msgspec.DecodeError, msgspec.ValidationError) as err:
         raise ProtocolError(f"malformed reply to {what}: expected {tp!r}: {err}") from err
+    except RecursionError:
+        raise ProtocolError(
+            f"malformed reply to {what}: msgpack nested too deeply to decode"
+        ) from None

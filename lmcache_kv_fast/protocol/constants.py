@@ -1,40 +1,40 @@
-"""Protocol constants (protocol doc §2, §4, §7, §8)."""
+"""Protocol constants (docs/protocol.md §2, §4, §7, §8)."""
 
 from __future__ import annotations
 
-#: Prefix the server puts in front of the configured ``--shm-name`` (doc §5.1, §7.1).
+#: Prefix the server puts in front of the configured ``--shm-name`` (docs/protocol.md §5.1, §7.1).
 SHM_POOL_PREFIX = "lmcache_l1_pool_"
 
-#: Token ids are packed as big-endian uint32 by the server's hasher (doc §8.1).
+#: Token ids are packed as big-endian uint32 by the server's hasher (docs/protocol.md §8.1).
 MAX_TOKEN_ID = (1 << 32) - 1
 
-#: ``cache_salt`` rules enforced by the server's key decoder (doc §4.1).
+#: ``cache_salt`` rules enforced by the server's key decoder (docs/protocol.md §4.1).
 MAX_CACHE_SALT_LEN = 128
 FORBIDDEN_SALT_CHARS = frozenset("@/\\\x00")
 
-#: ``model_name`` must not contain this (ObjectKey separator, doc §4.1).
+#: ``model_name`` must not contain this (ObjectKey separator, docs/protocol.md §4.1).
 FORBIDDEN_MODEL_CHARS = frozenset("@")
 
-#: Read locks a lookup takes per object for one SDK reader (doc §11 #13).
+#: Read locks a lookup takes per object for one SDK reader (docs/protocol.md §11 #13).
 SDK_NUM_KV_READERS = 1
 
-#: blake3 seed of the chunk-hash chain: int64_be(0) || uint32_be(0) (doc §8.1).
+#: blake3 seed of the chunk-hash chain: int64_be(0) || uint32_be(0) (docs/protocol.md §8.1).
 CHUNK_HASH_NONE_SEED = (0).to_bytes(8, "big", signed=True) + (0).to_bytes(4, "big")
 
-#: Instance ids are random 63-bit integers (doc §4.2).
+#: Instance ids are random 63-bit integers (docs/protocol.md §4.2).
 INSTANCE_ID_BITS = 63
 
-#: Stream control frames (doc §2.6).
+#: Stream control frames (docs/protocol.md §2.6).
 STREAM_ACK = b"ack"
 STREAM_CANCEL = b"cancel"
 
-#: ``subscribe_kv_events`` limits (doc §9).
+#: ``subscribe_kv_events`` limits (docs/protocol.md §9).
 MAX_EVENTS_PER_BATCH = 1024
 
-#: Server-side reaper limits (doc §3.11).
+#: Server-side reaper limits (docs/protocol.md §3.11).
 DEFAULT_REAP_TIMEOUT_S = 120.0
 
-#: Lower bound on the server's allocation alignment (doc §7.2, ``--l1-align-bytes``).
+#: Lower bound on the server's allocation alignment (docs/protocol.md §7.2, ``--l1-align-bytes``).
 DEFAULT_ALIGN_BYTES = 4096
 
 #: torch dtype names the server accepts in ``dtype_str`` and slot descriptors.

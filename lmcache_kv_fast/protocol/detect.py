@@ -1,4 +1,4 @@
-"""Server generation detection (protocol doc Appendix C). Pure functions of HTTP replies."""
+"""Server generation detection (docs/protocol.md Appendix C). Pure functions of HTTP replies."""
 
 from __future__ import annotations
 

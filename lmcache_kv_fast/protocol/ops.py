@@ -1,8 +1,8 @@
-"""Operation identifiers per server generation (protocol doc §2.4, Appendix A and C).
+"""Operation identifiers per server generation (docs/protocol.md §2.4, Appendices A and C).
 
 Each server generation has exactly one table, defined once here and chosen once per
 context. The SDK only ever sends operations that are in the table of the server it
-talks to: an old id can execute a *different* operation on a newer server (doc App. A).
+talks to: an old id can execute a *different* operation on a newer server (docs/protocol.md Appendix A).
 """
 
 from __future__ import annotations
@@ -59,7 +59,7 @@ _IDS_053: dict[Op, int] = {
     Op.NOOP: 24,
 }
 
-# 0.5.1 / 0.5.2 `RequestType` enum positions (doc Appendix A, left column).
+# 0.5.1 / 0.5.2 `RequestType` enum positions (docs/protocol.md Appendix A, left column).
 _IDS_051: dict[Op, int] = {
     Op.REGISTER_KV_CACHE: 1,
     Op.UNREGISTER_KV_CACHE: 2,

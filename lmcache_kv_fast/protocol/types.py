@@ -1,4 +1,4 @@
-"""msgspec types of every payload and response the SDK exchanges (protocol doc §4).
+"""msgspec types of every payload and response the SDK exchanges (docs/protocol.md §4).
 
 All travel as msgpack maps keyed by field name, fields in declaration order. Response
 types are decoded strictly: a reply that does not fit is a protocol error, never a guess.
@@ -10,7 +10,7 @@ import msgspec
 
 
 class IPCCacheServerKey(msgspec.Struct, kw_only=True):
-    """Cache key of one operation (doc §4.1); all ten fields are always sent."""
+    """Cache key of one operation (docs/protocol.md §4.1); all ten fields are always sent."""
 
     model_name: str
     world_size: int
@@ -25,7 +25,7 @@ class IPCCacheServerKey(msgspec.Struct, kw_only=True):
 
 
 class RegisterEngineDrivenContextPayload(msgspec.Struct, kw_only=True):
-    """Payload of ``register_kv_cache_engine_driven_context`` (doc §4.2)."""
+    """Payload of ``register_kv_cache_engine_driven_context`` (docs/protocol.md §4.2)."""
 
     instance_id: int
     model_name: str
@@ -39,14 +39,14 @@ class RegisterEngineDrivenContextPayload(msgspec.Struct, kw_only=True):
 
 
 class RegisterEngineDrivenContextResponse(msgspec.Struct, kw_only=True):
-    """Registration reply: the SHM pool name and size, or ``""``/0 for pickle (doc §3.1)."""
+    """Registration reply: the SHM pool name and size, or ``""``/0 for pickle (docs/protocol.md §3.1)."""
 
     shm_name: str = ""
     pool_size: int = 0
 
 
 class Slot(msgspec.Struct, kw_only=True):
-    """One L1 memory object in the SHM pool (doc §4.3, §7.2)."""
+    """One L1 memory object in the SHM pool (docs/protocol.md §4.3, §7.2)."""
 
     offset: int
     length: int
@@ -62,7 +62,7 @@ class PrepareStoreContext(msgspec.Struct, kw_only=True):
 
 
 class PrepareStoreResponse(msgspec.Struct, kw_only=True):
-    """Reply of ``prepare_store`` (doc §4.3)."""
+    """Reply of ``prepare_store`` (docs/protocol.md §4.3)."""
 
     context: PrepareStoreContext = msgspec.field(default_factory=PrepareStoreContext)
 
@@ -74,7 +74,7 @@ class PrepareRetrieveContext(msgspec.Struct, kw_only=True):
 
 
 class PrepareRetrieveResponse(msgspec.Struct, kw_only=True):
-    """Reply of ``prepare_retrieve`` (doc §4.4)."""
+    """Reply of ``prepare_retrieve`` (docs/protocol.md §4.4)."""
 
     success: bool
     #: pickle bytes on the pickle plane; a zero-copy view of the received frame
@@ -83,7 +83,7 @@ class PrepareRetrieveResponse(msgspec.Struct, kw_only=True):
 
 
 class KVEventRecord(msgspec.Struct, kw_only=True):
-    """One KV event record of the MP server (doc §4.5)."""
+    """One KV event record of the MP server (docs/protocol.md §4.5)."""
 
     seq: int
     kind: str
@@ -95,7 +95,7 @@ class KVEventRecord(msgspec.Struct, kw_only=True):
 
 
 class KVEventBatch(msgspec.Struct, kw_only=True):
-    """One batch of the KV event stream (doc §4.5, §9)."""
+    """One batch of the KV event stream (docs/protocol.md §4.5, §9)."""
 
     enabled: bool
     incarnation: int
@@ -105,7 +105,7 @@ class KVEventBatch(msgspec.Struct, kw_only=True):
 
 
 class EngineGroupInfo(msgspec.Struct, frozen=True, kw_only=True):
-    """Engine KV-cache group (doc §4.6); sent with ``register_kv_cache``."""
+    """Engine KV-cache group (docs/protocol.md §4.6); sent with ``register_kv_cache``."""
 
     engine_group_id: int
     layer_indices: tuple[int, ...] = ()

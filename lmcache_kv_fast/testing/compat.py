@@ -239,7 +239,7 @@ class TheirSDK:
     def register_hnd(self, model_name: str, *, num_layers: int, num_kv_heads: int,
                      head_size: int, dtype: str = "bfloat16", block_size: int = 16,
                      num_blocks: int = 4) -> int:
-        """Register a vLLM-like HND CPU layout ``NL x [2, NB, NH, BS, HS]`` (doc App. C).
+        """Register a vLLM-like HND CPU layout ``NL x [2, NB, NH, BS, HS]`` (docs/protocol.md Appendix C).
 
         Returns:
             The registration's instance id.

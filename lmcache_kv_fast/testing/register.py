@@ -1,6 +1,9 @@
 """Register a vLLM-like paged KV layout with a real server, the way a vLLM worker does.
 
-This is ``register_kv_cache`` (protocol doc §3.14 and §10.3), without importing ``lmcache``.
+This is ``register_kv_cache`` (docs/protocol.md §3.14 and §10.3), without importing ``lmcache``.
+:func:`register_engine_driven` registers the way a CPU vLLM engine (or another process's SDK)
+does: ``register_kv_cache_engine_driven_context``, which shows in ``/status``
+``non_cuda_context_meta`` only.
 
 One POSIX segment holds the per-layer CPU tensors; the server maps it during the call,
 after which the name is unlinked (the server keeps its mapping).
@@ -163,5 +166,50 @@ def register_vllm_layout(
                 with contextlib.suppress(FileNotFoundError):
                     os.unlink(f"/dev/shm{seg}")
         return reg
+    finally:
+        client.close()
+
+
+def register_engine_driven(url: str, model_name: str, *, block_size: int, use_mla: bool,
+                           num_layers: int = 2, hidden: int = 256, dtype: str = "bfloat16",
+                           world_size: int = 1, chunk_size: int = 256,
+                           generation: Generation = GEN_056, timeout: float = 10.0) -> int:
+    """Register an engine-driven context as another process (a CPU engine, an SDK) would.
+
+    A CPU vLLM engine of a ``L``-layer model with ``NH`` KV heads of ``HS`` registers
+    ``use_mla=True``, ``hidden = NH*2*HS`` (its fused K|V rows). The instance id is random
+    and not one of this process's own (``client/instances.py``).
+
+    Returns:
+        The instance id (for :func:`unregister_engine_driven`).
+    """
+    from lmcache_kv_fast.protocol.types import (
+        RegisterEngineDrivenContextPayload,
+        RegisterEngineDrivenContextResponse,
+    )
+
+    iid = secrets.randbits(62) + 1
+    payload = RegisterEngineDrivenContextPayload(
+        instance_id=iid, model_name=model_name, world_size=world_size, block_size=block_size,
+        num_layers=num_layers, hidden_dim_size=hidden, dtype_str=dtype, use_mla=use_mla,
+        num_physical_slots=chunk_size)
+    client = ZmqClient(url, generation, timeout)
+    try:
+        client.call(Op.REGISTER_ENGINE_DRIVEN, [payload], RegisterEngineDrivenContextResponse)
+    finally:
+        client.close()
+    return iid
+
+
+def unregister_engine_driven(url: str, instance_id: int, *, generation: Generation = GEN_056,
+                             timeout: float = 10.0) -> None:
+    """Unregister an engine-driven context.
+
+    Upstream 0.5.6's ``close()`` leaves its own to the server's reaper, which waits an hour
+    for a never-pinged instance.
+    """
+    client = ZmqClient(url, generation, timeout)
+    try:
+        client.call(Op.UNREGISTER_ENGINE_DRIVEN, [int(instance_id)], None)
     finally:
         client.close()

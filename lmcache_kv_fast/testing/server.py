@@ -41,8 +41,8 @@ SERVER_ENV = {
 }
 
 
-#: glibc settings for the server process (the recommended deployment, README
-#: "Deploying the server"). The pickle plane makes the server allocate several transient
+#: glibc settings for the server process (the recommended deployment,
+#: docs/deployment.md). The pickle plane makes the server allocate several transient
 #: buffers of the payload's size per request (ZMQ receive, msgpack ``bin``, the pickle's
 #: bytes, ``torch.load``'s storage, and the reverse for a retrieve); glibc serves those
 #: from fresh mmaps (above 32 MiB, or any size in a thread's own arena above its 64 MiB

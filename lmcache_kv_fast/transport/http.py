@@ -1,17 +1,26 @@
-"""HTTP info-plane client (protocol doc §5): ``/config``, ``/status``, ``/version``.
+"""HTTP info-plane client (docs/protocol.md §5): ``/config``, ``/status``, ``/version``.
 
-Uses the standard library (no import cost beyond ``urllib``); every request has a timeout.
+Uses the standard library's ``http.client`` directly (no proxy, no redirect). Every call
+has a total deadline (its ``timeout``), not only a per-read one: the socket's timeout is
+re-armed to the time left before every send and receive, so a peer that drip-feeds its
+reply one byte at a time cannot hold a call longer than ``timeout``.
+
+A reply is decoded as JSON at most ``MAX_INFO_BYTES`` long; a document nested deeper
+than Python's recursion limit is a :class:`~lmcache_kv_fast.errors.ProtocolError`.
 """
 
 from __future__ import annotations
 
+import http.client
 import json
 import logging
-import urllib.error
-import urllib.request
+import socket
+import ssl
+import time
 from typing import Any
 
-from lmcache_kv_fast.errors import KVCacheSDKError, ProtocolError
+from lmcache_kv_fast.errors import KVCacheSDKError, ProtocolError, ServerTimeoutError
+from lmcache_kv_fast.transport.urls import Endpoint, parse_http_url
 
 logger = logging.getLogger(__name__)
 
@@ -19,46 +28,143 @@ logger = logging.getLogger(__name__)
 MAX_INFO_BYTES = 16 * 1024 * 1024
 
 
+class _Deadline:
+    """Arms the socket's timeout to the time left before every I/O call (a mixin)."""
+
+    deadline = float("inf")
+
+    def _arm(self) -> None:
+        left = self.deadline - time.monotonic()
+        if left <= 0:
+            raise TimeoutError("the call's deadline passed")
+        self.settimeout(min(left, 3600.0))  # type: ignore[attr-defined]
+
+    def recv(self, *args: Any) -> bytes:
+        self._arm()
+        return super().recv(*args)  # type: ignore[misc]
+
+    def recv_into(self, *args: Any) -> int:
+        self._arm()
+        return super().recv_into(*args)  # type: ignore[misc]
+
+    def send(self, *args: Any) -> int:
+        self._arm()
+        return super().send(*args)  # type: ignore[misc]
+
+    def sendall(self, *args: Any) -> None:
+        self._arm()
+        return super().sendall(*args)  # type: ignore[misc]
+
+
+class _DeadlineSocket(_Deadline, socket.socket):
+    """A TCP socket whose every I/O call ends by the deadline."""
+
+
+class _DeadlineSSLSocket(_Deadline, ssl.SSLSocket):
+    """A TLS socket whose every I/O call ends by the deadline."""
+
+
+def _open_socket(host: str, port: int, deadline: float) -> socket.socket:
+    """Connect to ``host:port`` (every address it resolves to, in order) by ``deadline``."""
+    err: OSError | None = None
+    for family, kind, proto, _, addr in socket.getaddrinfo(host, port, 0, socket.SOCK_STREAM):
+        sock = _DeadlineSocket(family, kind, proto)
+        sock.deadline = deadline
+        try:
+            sock._arm()
+            sock.connect(addr)
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            return sock
+        except OSError as e:
+            err = e
+            sock.close()
+    raise err if err is not None else OSError(f"{host!r} resolves to no address")
+
+
+class _Connection(http.client.HTTPConnection):
+    """An HTTP connection whose socket ends every I/O call by ``deadline``."""
+
+    def __init__(self, ep: Endpoint, deadline: float) -> None:
+        super().__init__(ep.host, ep.port)
+        self._deadline = deadline
+
+    def connect(self) -> None:
+        self.sock = _open_socket(self.host, self.port, self._deadline)
+
+
+class _TLSConnection(http.client.HTTPSConnection):
+    """An HTTPS connection whose socket ends every I/O call by ``deadline``."""
+
+    def __init__(self, ep: Endpoint, deadline: float) -> None:
+        tls = ssl.create_default_context()
+        tls.sslsocket_class = _DeadlineSSLSocket
+        super().__init__(ep.host, ep.port, context=tls)
+        self._tls = tls
+        self._deadline = deadline
+
+    def connect(self) -> None:
+        plain = _open_socket(self.host, self.port, self._deadline)
+        try:
+            plain._arm()  # the handshake runs with the time left as its timeout
+            sock = self._tls.wrap_socket(plain, server_hostname=self.host)
+        except BaseException:
+            plain.close()
+            raise
+        sock.deadline = self._deadline  # type: ignore[attr-defined]
+        self.sock = sock
+
+
 class HttpInfoClient:
     """GET/POST JSON on the server's HTTP info plane.
 
     Args:
-        base_url: e.g. ``http://127.0.0.1:8080`` (no trailing path).
-        timeout: Seconds per request.
+        base_url: e.g. ``http://127.0.0.1:8080`` (no path).
+        timeout: Seconds a whole request may take (connect, send, headers and body).
+
+    Raises:
+        InvalidArgumentError: ``base_url`` is not an HTTP URL (``transport/urls.py``).
     """
 
     def __init__(self, base_url: str, timeout: float) -> None:
         self.base_url = base_url.rstrip("/")
         self.timeout = timeout
+        self._ep = parse_http_url(self.base_url, "http_url")
 
     def _request(self, method: str, path: str, body: Any = None, *,
                  missing_ok: bool = False, timeout: float | None = None) -> Any:
         url = f"{self.base_url}{path}"
+        budget = timeout or self.timeout
+        deadline = time.monotonic() + budget
         data = None if body is None else json.dumps(body).encode()
-        req = urllib.request.Request(url, data=data, method=method)
+        headers = {"Accept": "application/json"}
         if data is not None:
-            req.add_header("Content-Type", "application/json")
+            headers["Content-Type"] = "application/json"
+        cls = _TLSConnection if self._ep.scheme == "https" else _Connection
+        conn = cls(self._ep, deadline)
         try:
-            with urllib.request.urlopen(req, timeout=timeout or self.timeout) as resp:
-                raw = resp.read(MAX_INFO_BYTES + 1)
-        except urllib.error.HTTPError as err:
-            if missing_ok and err.code == 404:
-                return None
-            raise KVCacheSDKError(
-                f"{method} {url} answered HTTP {err.code}: {err.read(2000)!r}"
+            conn.request(method, path, body=data, headers=headers)
+            resp = conn.getresponse()
+            status = resp.status
+            raw = resp.read(MAX_INFO_BYTES + 1)
+        except TimeoutError as err:
+            raise ServerTimeoutError(
+                f"{method} {url} did not answer within {budget:g}s (the whole reply must "
+                "arrive in that time). Is the LMCache server's HTTP API healthy?"
             ) from err
-        except (urllib.error.URLError, OSError, ValueError) as err:
-            reason = getattr(err, "reason", err)
+        except (OSError, http.client.HTTPException, ValueError) as err:
             raise KVCacheSDKError(
-                f"{method} {url} failed: {reason}. Is the LMCache server running with its "
-                "HTTP API on that address (--http-host/--http-port)?"
+                f"{method} {url} failed: {err!r:.200}. Is the LMCache server running with "
+                "its HTTP API on that address (--http-host/--http-port)?"
             ) from err
+        finally:
+            conn.close()
+        if missing_ok and status == 404:
+            return None
+        if not 200 <= status < 300:
+            raise KVCacheSDKError(f"{method} {url} answered HTTP {status}: {raw[:2000]!r}")
         if len(raw) > MAX_INFO_BYTES:
             raise ProtocolError(f"{method} {url} returned more than {MAX_INFO_BYTES} bytes")
-        try:
-            return json.loads(raw)
-        except ValueError as err:
-            raise ProtocolError(f"{method} {url} did not return JSON: {raw[:200]!r}") from err
+        return decode_json(raw, f"{method} {url}")
 
     def get(self, path: str, *, missing_ok: bool = False, timeout: float | None = None) -> Any:
         """GET ``path`` and decode its JSON (None for a 404 when ``missing_ok``)."""
@@ -99,3 +205,17 @@ class HttpInfoClient:
     def clear_cache(self, force: bool = False) -> Any:
         """``POST /cache/clear`` of L1."""
         return self.post("/cache/clear", {"tier": "l1", "force": force})
+
+
+def decode_json(raw: bytes, what: str) -> Any:
+    """Decode a JSON reply of a peer.
+
+    Raises:
+        ProtocolError: Not JSON, or nested deeper than Python's recursion limit.
+    """
+    try:
+        return json.loads(raw)
+    except RecursionError:
+        raise ProtocolError(f"{what} returned JSON nested too deeply to decode") from None
+    except ValueError as err:
+        raise ProtocolError(f"{what} did not return JSON: {raw[:200]!r}") from err

@@ -10,7 +10,7 @@ DEALER socket and their replies are collected later:
   commits run on the server's affinity pool, the end on its normal pool, and a commit that
   ran after the end would re-create the session.
 * The server keys pending transfers by ``(instance_id, key)`` ignoring the request id
-  (doc §3.4): an identical operation of the same context may only prepare once the earlier
+  (docs/protocol.md §3.4): an identical operation of the same context may only prepare once the earlier
   commit was processed. :meth:`DeferredReleases.wait_key` waits for that acknowledgement
   (the context calls it under its per-key lock; commits of other keys never wait).
 * Everything that must see the locks gone (``clear``, ``close``) settles first.

@@ -1,4 +1,4 @@
-"""ZMQ DEALER client of the server's ROUTER (protocol doc §2).
+"""ZMQ DEALER client of the server's ROUTER (docs/protocol.md §2).
 
 Design: every thread that uses a context gets its own DEALER socket (a ``Channel``),
 so no lock is held around socket I/O and a single-threaded caller sends and receives on
@@ -19,12 +19,17 @@ from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-import msgspec
 import zmq
 
-from lmcache_kv_fast.errors import ContextClosedError, ProtocolError, ServerTimeoutError
+from lmcache_kv_fast.errors import (
+    ContextClosedError,
+    InvalidArgumentError,
+    ProtocolError,
+    ServerTimeoutError,
+)
 from lmcache_kv_fast.protocol import codec
 from lmcache_kv_fast.protocol.ops import Generation, Op
+from lmcache_kv_fast.transport.urls import Endpoint, parse_zmq_url
 
 logger = logging.getLogger(__name__)
 
@@ -56,13 +61,19 @@ class Channel:
 
     def __init__(self, client: ZmqClient, *, bound: bool = True) -> None:
         self._client = client
+        self._monitor: zmq.Socket | None = None
         self.sock: zmq.Socket = client.zmq_context.socket(zmq.DEALER)
-        self.sock.setsockopt(zmq.LINGER, 0)
-        self.sock.setsockopt(zmq.RCVHWM, 0)
-        self.sock.setsockopt(zmq.SNDHWM, 0)
-        # Disconnects (server killed or restarted) are noticed here; see peer_lost().
-        self._monitor: zmq.Socket | None = self.sock.get_monitor_socket(zmq.EVENT_DISCONNECTED)
-        self.sock.connect(client.url)
+        try:
+            self.sock.setsockopt(zmq.LINGER, 0)
+            self.sock.setsockopt(zmq.RCVHWM, 0)
+            self.sock.setsockopt(zmq.SNDHWM, 0)
+            # Disconnects (server killed or restarted) are noticed here; see peer_lost().
+            self._monitor = self.sock.get_monitor_socket(zmq.EVENT_DISCONNECTED)
+            connect_socket(self.sock, client.endpoint)
+        except BaseException:
+            # An open socket would make zmq_context.term() (close) block forever.
+            self.close()
+            raise
         self._inflight: dict[bytes, PendingCall] = {}
         self._parked: dict[bytes, list[Any]] = {}
         #: Fired calls (see fire()) whose acknowledgement has not arrived yet.
@@ -76,6 +87,14 @@ class Channel:
         #: Seconds spent blocked in :meth:`wait` and the number of waits (for OpTiming).
         self.wait_s = 0.0
         self.waits = 0
+        #: Handed to the late-reply settler (``ZmqClient.retire``): its old thread must
+        #: not use it any more.
+        self.retired = False
+
+    @property
+    def client(self) -> ZmqClient:
+        """The client this channel belongs to."""
+        return self._client
 
     # -- sending ---------------------------------------------------------------------
     def send(self, op: Op, payloads: Sequence[Any] = (), *, raw: Sequence[bytes] = ()) -> PendingCall:
@@ -97,7 +116,7 @@ class Channel:
         frames: list[Any] = [uid_frame, op_frame]
         frames.extend(codec.encode(p) for p in payloads)
         frames.extend(raw)
-        # Never fewer than 2 frames: a 1-frame message kills the server's loop (doc §2.7).
+        # Never fewer than 2 frames: a 1-frame message kills the server's loop (docs/protocol.md §2.7).
         assert len(frames) >= 2
         call = PendingCall(uid, uid_frame, op, op_frame, time.monotonic())
         with self._client.active():
@@ -254,6 +273,10 @@ class Channel:
             self._drain()
         return call.uid_frame in self._parked
 
+    def expect(self, call: PendingCall) -> None:
+        """Wait for ``call``'s reply again (after its wait timed out): park it when it comes."""
+        self._inflight[call.uid_frame] = call
+
     def discard(self, call: PendingCall) -> None:
         """Forget ``call``: a reply that still arrives is dropped."""
         self._inflight.pop(call.uid_frame, None)
@@ -279,25 +302,29 @@ class Channel:
     def close(self) -> None:
         """Close the socket (only from the owning thread or after it is gone)."""
         mon, self._monitor = self._monitor, None
-        try:
-            if mon is not None:
+        if mon is not None:
+            with contextlib.suppress(zmq.ZMQError):
                 self.sock.disable_monitor()
+            with contextlib.suppress(zmq.ZMQError):
                 mon.close(linger=0)
+        with contextlib.suppress(zmq.ZMQError):
             self.sock.close(linger=0)
-        except zmq.ZMQError:  # pragma: no cover - already closed
-            pass
 
 
 class ZmqClient:
     """Control-plane client: per-thread channels over one ZMQ context.
 
     Args:
-        url: ZMQ endpoint, e.g. ``tcp://127.0.0.1:5555``.
+        url: ZMQ endpoint, e.g. ``tcp://127.0.0.1:5555`` (``transport/urls.py``).
         generation: Wire dialect of the server (operation ids).
         timeout: Default seconds every call waits for its reply.
+
+    Raises:
+        InvalidArgumentError: ``url`` is not a ZMQ URL this client can connect to.
     """
 
     def __init__(self, url: str, generation: Generation, timeout: float) -> None:
+        self.endpoint = parse_zmq_url(url)  # before anything is created
         self.url = url
         self.generation = generation
         self.timeout = float(timeout)
@@ -342,6 +369,25 @@ class ZmqClient:
                                   if not c.owner or _thread_alive(c.owner, c)]
                 self._channels.append(ch)
         return ch
+
+    def retire(self, ch: Channel) -> None:
+        """Unbind ``ch`` from its thread, which gets a fresh channel on its next call.
+
+        ``ch`` keeps its socket, its in-flight calls and their late replies; its new user
+        (the late-reply settler, ``client/late.py``) takes it over after a lock handoff.
+        It is closed with the client, or earlier by :meth:`drop`.
+        """
+        if getattr(self._local, "channel", None) is ch:
+            self._local.channel = None
+        ch.owner = 0
+        ch.retired = True
+
+    def drop(self, ch: Channel) -> None:
+        """Close a channel not bound to a thread and forget it."""
+        with self._lock:
+            if ch in self._channels:
+                self._channels.remove(ch)
+        ch.close()
 
     def new_channel(self) -> Channel:
         """Return a fresh channel not bound to a thread (its user serialises access)."""
@@ -397,6 +443,21 @@ class ZmqClient:
         return ok
 
 
+def connect_socket(sock: zmq.Socket, endpoint: Endpoint | str) -> None:
+    """Connect ``sock`` to the server at ``endpoint`` (IPv6 literals need ``zmq.IPV6``).
+
+    Raises:
+        InvalidArgumentError: ZMQ refuses the address (the socket is left to the caller).
+    """
+    ep = endpoint if isinstance(endpoint, Endpoint) else parse_zmq_url(endpoint)
+    if ep.ipv6:
+        sock.setsockopt(zmq.IPV6, 1)
+    try:
+        sock.connect(ep.url)
+    except zmq.ZMQError as err:
+        raise InvalidArgumentError(f"ZMQ cannot connect to {ep.url!r}: {err}") from err
+
+
 def _thread_alive(ident: int, ch: Channel) -> bool:
     for t in threading.enumerate():
         if t.ident == ident:
@@ -406,5 +467,9 @@ def _thread_alive(ident: int, ch: Channel) -> bool:
 
 
 def decode_any(frame: bytes) -> Any:
-    """Decode an untyped msgpack frame."""
-    return msgspec.msgpack.decode(frame)
+    """Decode an untyped msgpack frame.
+
+    Raises:
+        ProtocolError: Not msgpack, or nested too deeply.
+    """
+    return codec.decode(frame, Any, what="a frame")

@@ -33,12 +33,12 @@ def test_w3_edit_matches_demo(tokens: int) -> None:
     import torch
 
     from lmcache_kv_fast.demo import drop_every_kth
-    from lmcache_kv_fast.testing import benchmark
+    from lmcache_kv_fast.testing import bench
 
     kv = torch.randn(2, 3, tokens, 8).to(torch.bfloat16)
     toks = list(range(100, 100 + tokens))
     want_kv, want_toks = drop_every_kth(kv, toks, 10)
-    for fn in (benchmark.drop_every_kth, benchmark.drop_every_kth_index_select):
+    for fn in (bench.drop_every_kth, bench.drop_every_kth_index_select):
         got_kv, got_toks = fn(kv, toks, 10)
         assert torch.equal(got_kv, want_kv) and got_toks == want_toks
         assert got_kv.is_contiguous()
@@ -46,7 +46,7 @@ def test_w3_edit_matches_demo(tokens: int) -> None:
 
 def test_target_ceiling_from_waits_and_roofline() -> None:
     """The ceiling of a target: the other side's median over (server waits + flat copy)."""
-    from lmcache_kv_fast.testing import benchmark as b
+    from lmcache_kv_fast.testing import bench as b
 
     ours, roof = b.kvf_native(2), b.roofline(2)
 
@@ -66,7 +66,7 @@ def test_target_ceiling_from_waits_and_roofline() -> None:
     # the copy floor is the faster of the roofline (30 ms) and the call's own copy (32 ms)
     assert b.floor_s(records, ours, b.W1_STORE_WARM, 2) == pytest.approx(0.035)
     assert b.floor_s(records, b.UPSTREAM, b.W1_STORE_WARM, 2) is None  # no phases
-    targets = {t.name: t for t in b.compute_targets(b._rows(records), records, {}, 2)}
+    targets = {t.name: t for t in b.compute_targets(b.rows_of(records), records, {}, 2)}
     t = targets["W1 store warm vs roofline"]
     assert t.ceiling == pytest.approx(0.030 / 0.035) and t.status == "MISS"
     assert t.reachable is False  # 0.857 < 0.9: out of reach against this "server"
@@ -86,7 +86,7 @@ def test_target_ceiling_from_waits_and_roofline() -> None:
     assert b.samples_during(records[(roof, b.W1_COPY_WARM)], "W9") == \
         records[(roof, b.W1_COPY_WARM)]["samples"]
     assert b.floor_s(records, ours, b.W1_STORE_WARM, 2) == pytest.approx(0.035)
-    targets = {t.name: t for t in b.compute_targets(b._rows(records), records, {}, 2)}
+    targets = {t.name: t for t in b.compute_targets(b.rows_of(records), records, {}, 2)}
     t = targets["W1 store warm vs roofline"]
     assert t.value == pytest.approx(0.030 / 0.040) and t.detail.endswith("paired")
     assert t.ceiling == pytest.approx(0.030 / 0.035)  # not the all-ops median 0.0245
@@ -94,7 +94,7 @@ def test_target_ceiling_from_waits_and_roofline() -> None:
 
 def test_phase_split_of_waits_by_ping() -> None:
     """waits = rpcs x the op's median ping (per server) + the server's own share."""
-    from lmcache_kv_fast.testing import benchmark as b
+    from lmcache_kv_fast.testing import bench as b
 
     ours, roof = b.kvf_native(2), b.roofline(2)
     ph = [{"wait_s": w, "copy_s": 0.02, "total_s": 0.03, "alloc_s": 0.0, "client_s": 0.001,
@@ -163,7 +163,7 @@ def test_bench_quick_json(tmp_path: Path) -> None:
     for key in ("cores", "memory_gib", "python", "torch", "lmcache", "lmcache_kv_fast"):
         assert doc["machine"].get(key), key
     assert doc["machine"]["default_backend"] == "native"
-    for srv in ("shm", "pickle"):  # servers started with the README's allocator settings
+    for srv in ("shm", "pickle"):  # servers started with docs/deployment.md's allocator settings
         assert doc["servers"][srv]["malloc"]["MALLOC_ARENA_MAX"] == "1", doc["servers"]
     assert "started servers' allocator: MALLOC_ARENA_MAX=1" in p.stdout
     assert not doc["errors"]
@@ -253,7 +253,7 @@ def test_bench_quick_json(tmp_path: Path) -> None:
 
 def test_reduced_sizes_mark_the_verdicts_indicative() -> None:
     """Only a run at (or above) the issue's sizes gives verdicts; smaller runs say so."""
-    from lmcache_kv_fast.testing import benchmark as b
+    from lmcache_kv_fast.testing import bench as b
 
     assert b.reduced_sizes(b.Sizes()) == []
     assert b.reduced_sizes(b.Sizes(reps=20, w2_ops=1000)) == []  # more is still the target

@@ -10,6 +10,7 @@ import sys
 import time
 from pathlib import Path
 
+import pytest
 from conftest import make_model
 
 from lmcache_kv_fast.cli import main
@@ -96,3 +97,39 @@ def test_hybrid_model_refused_and_listed_per_group(server_pickle, capsys):
     assert main(["info", "--http-url", server_pickle.http_url, "--model", name, "--json"]) == 0
     (entry,) = json.loads(capsys.readouterr().out)["models"][name]
     assert len(entry["groups"]) == 2 and "hybrid" in entry["sdk"]
+
+
+def test_info_shows_what_connect_resolves_for_an_engine(server_shm, capsys, tmp_path):
+    """A CPU engine's registration (engine-driven only): info names it and what connect() finds."""
+    from lmcache_kv_fast.testing.register import register_engine_driven, unregister_engine_driven
+
+    model = tmp_path / "tiny-llama"
+    model.mkdir()
+    (model / "config.json").write_text(json.dumps({
+        "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
+        "head_dim": 64, "hidden_size": 256, "torch_dtype": "bfloat16"}))
+    iid = register_engine_driven(server_shm.url, str(model), block_size=128, use_mla=True)
+    try:
+        assert main(["info", "--http-url", server_shm.http_url, "--model", str(model),
+                     "--json"]) == 0
+        doc = json.loads(capsys.readouterr().out)
+        e = doc["engine_driven"][str(model)]
+        assert e["registrations"] == {str(iid): {"world_size": 1, "block_size": 128,
+                                                 "use_mla": True}}
+        assert e["connect"].startswith("CPU engine KV: 2 layers, 2 KV heads x 64, bfloat16, "
+                                       "block_size 128, kernel ")
+        assert main(["info", "--http-url", server_shm.http_url, "--model", "acme/none-such"]) == 0
+        assert main(["info", "--http-url", server_shm.http_url]) == 0
+        text = capsys.readouterr().out
+        assert f"engine-driven model {str(model)!r}" in text and "connect() would use" in text
+    finally:
+        unregister_engine_driven(server_shm.url, iid)
+
+
+def test_bench_engine_flags_are_checked_before_anything_starts():
+    from lmcache_kv_fast.testing.bench import main as bench_main
+
+    with pytest.raises(SystemExit, match="--engine-tokens must be in"):
+        bench_main(["--engine", "--engine-tokens", "100"])
+    with pytest.raises(SystemExit, match="--engine-prompts must be positive"):
+        bench_main(["--workloads", "W5", "--engine-prompts", "0"])

@@ -1,7 +1,7 @@
 """KV events against a real LMCache 0.5.6 server: subscription, SDK announcements, vLLM publisher.
 
 The lmcache-driven store path (the one that makes the server record ``stored`` events) is
-driven with lmcache itself as a test dependency (doc §10.3). The subscriber of the vLLM
+driven with lmcache itself as a test dependency (docs/protocol.md §10.3). The subscriber of the vLLM
 wire format decodes with its own msgspec schema, written here from vLLM's field list.
 """
 
@@ -118,7 +118,7 @@ class Subscriber:
 
 # ------------------------------------------------------------------ lmcache-driven writer
 class LmcDriven:
-    """A CPU "vLLM worker" registered through lmcache's own transfer context (doc §10.3)."""
+    """A CPU "vLLM worker" registered through lmcache's own transfer context (docs/protocol.md §10.3)."""
 
     L, NH, HS, BS = 2, 2, 16, 16
 
@@ -271,7 +271,7 @@ def test_sdk_store_hashes_equal_server_removed_hashes(server_shm):
             events.subscribe(ctx, timeout=10.0) as sub:
         next(sub)
         assert ctx.store(model.kv(len(tokens)), tokens)
-        # the server records no `stored` event for SDK (engine-driven) stores (doc §11 #21)
+        # the server records no `stored` event for SDK (engine-driven) stores (docs/protocol.md §11 #21)
         assert sub.poll(0.5) is None
         server_shm.clear()
         rm = next_with_events(sub)

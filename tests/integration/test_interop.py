@@ -40,7 +40,7 @@ def test_upstream_store_ours_retrieve_and_reverse(server, dtype):
 
 
 def test_upstream_mla_store_ours_retrieve(server):
-    # The upstream SDK cannot store MLA (doc §11 #11); ours stores, theirs retrieves.
+    # The upstream SDK cannot store MLA (docs/protocol.md §11 #11); ours stores, theirs retrieves.
     m = make_model(server, mla=True, num_layers=2, head_size=576)
     toks = rand_tokens(C, seed=35)
     kv = m.kv(C, seed=36)

@@ -176,10 +176,11 @@ def test_use_after_close_raises(model):
 
 def test_close_unregisters(model):
     ctx = lmc_sdk.connect(model.server.url, model.server.http_url, model.name, timeout=20)
-    iid = str(ctx.instance_id)
-    assert iid in model.server.status().get("non_cuda_context_meta", {})
+    ids = {str(ctx.instance_id), str(ctx.writer_instance_id)}  # reader + writer (SHM)
+    assert len(ids) == (2 if ctx.transport == "shm" else 1)
+    assert ids <= set(model.server.status().get("non_cuda_context_meta", {}))
     ctx.close()
-    assert iid not in model.server.status().get("non_cuda_context_meta", {})
+    assert not ids & set(model.server.status().get("non_cuda_context_meta", {}))
 
 
 def test_no_leftover_sessions_or_locks(server):

@@ -9,7 +9,7 @@ enough for a round trip. Tests then script replies per operation (``once`` / ``a
 to be hostile: malformed frames, lying slot descriptors, pickle gadgets, silence.
 
 Every message the client sends is recorded with its frame count, so tests can check that
-the client never sent a one-frame message (which kills a real server's loop, doc §2.7).
+the client never sent a one-frame message (which kills a real server's loop, docs/protocol.md §2.7).
 """
 
 from __future__ import annotations
@@ -352,7 +352,7 @@ class FakePeer:
         ident, rest = msg[0], msg[1:]
         self.frame_counts.append(len(rest))
         if len(rest) < 2:
-            return  # a real server's loop would die here (doc §2.7); the test checks counts
+            return  # a real server's loop would die here (docs/protocol.md §2.7); the test checks counts
         try:
             op = msgspec.msgpack.decode(rest[1])
             name = _ID_TO_NAME.get(op, "?") if isinstance(op, int) else str(op)

@@ -2,7 +2,7 @@
 
 * :func:`install_frame_watch` wraps ``zmq.Socket.send`` of this process so every message
   a DEALER socket sends is counted by frames; :func:`one_frame_messages` lists the
-  one-frame messages ever sent (a single one kills a real server's loop, doc §2.7).
+  one-frame messages ever sent (a single one kills a real server's loop, docs/protocol.md §2.7).
 * :func:`leftovers` reads the server state an SDK must leave clean.
 """
 

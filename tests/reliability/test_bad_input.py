@@ -22,6 +22,7 @@ What is accepted (and documented by the "accepted" tests):
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -60,6 +61,25 @@ def _kv(t: int = C, seed: int = 0) -> torch.Tensor:
 
 
 Case = Callable[[lkf.LMCacheKVCacheContext, list[int]], Any]
+
+
+class _Str(str):
+    """A str subclass (msgspec refuses to encode it)."""
+
+
+def _quantized(t: list[int], dtype: torch.dtype) -> torch.Tensor:
+    """Token ids as a quantized tensor (deprecated in torch, still there)."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        return torch.quantize_per_tensor(torch.tensor(t, dtype=torch.float32), 1.0, 0, dtype)
+
+
+def _deep(depth: int) -> dict[str, Any]:
+    """``{"a": {"a": ... {}}}`` nested ``depth`` deep."""
+    d: dict[str, Any] = {}
+    for _ in range(depth):
+        d = {"a": d}
+    return d
 
 # name -> (call(ctx, fresh tokens of 2 chunks), exception type, text the message must contain)
 BAD: dict[str, tuple[Case, type[Exception], str]] = {
@@ -120,7 +140,37 @@ BAD: dict[str, tuple[Case, type[Exception], str]] = {
                         lkf.InvalidArgumentError, "tokens must be 1-D"),
     "tokens_numpy_negative": (lambda c, t: c.store(_kv(2 * C), np.array([-5, *t[1:]])),
                               lkf.InvalidArgumentError, "tokens must be in [0, 2**32)"),
+    "tokens_torch_quantized": (lambda c, t: c.store(_kv(2 * C), _quantized(t, torch.qint32)),
+                               lkf.InvalidTypeError, "tokens must have an integer dtype"),
+    "tokens_torch_meta": (lambda c, t: c.store(_kv(2 * C), torch.empty(2 * C, dtype=torch.int64,
+                                                                      device="meta")),
+                          lkf.InvalidTypeError, "tokens is a tensor on the meta device"),
+    "tokens_numpy_bool_scalars": (lambda c, t: c.store(_kv(2 * C), [np.bool_(True)] * (2 * C)),
+                                  lkf.InvalidTypeError, "tokens must contain only ints"),
+    "tokens_torch_float_scalars": (lambda c, t: c.store(_kv(2 * C), [torch.tensor(1.5)] * (2 * C)),
+                                   lkf.InvalidTypeError, "tokens must contain only ints"),
+    "retrieve_tokens_numpy_bool": (lambda c, t: c.retrieve([np.bool_(False)] * (2 * C)),
+                                   lkf.InvalidTypeError, "tokens"),
+    "lookup_tokens_quantized": (lambda c, t: c.lookup(_quantized(t, torch.quint8)),
+                                lkf.InvalidTypeError, "tokens"),
     # --- salt
+    "salt_lone_surrogate": (lambda c, t: c.store(_kv(2 * C), t, cache_salt="a\ud800"),
+                            lkf.InvalidArgumentError, "cache_salt must be valid Unicode"),
+    "salt_str_subclass": (lambda c, t: c.store(_kv(2 * C), t, cache_salt=_Str("tenant")),
+                          lkf.InvalidTypeError, "cache_salt must be a str, got a subclass"),
+    "retrieve_salt_surrogate": (lambda c, t: c.retrieve(t, cache_salt="\udfff"),
+                                lkf.InvalidArgumentError, "cache_salt"),
+    "lookup_salt_subclass": (lambda c, t: c.lookup(t, cache_salt=_Str("")),
+                             lkf.InvalidTypeError, "cache_salt"),
+    # --- request_configs
+    "configs_nested_10000": (lambda c, t: c.store(_kv(2 * C), t, request_configs=_deep(10_000)),
+                             lkf.InvalidArgumentError, "request_configs is nested too deeply"),
+    "retrieve_configs_nested": (lambda c, t: c.retrieve(t, request_configs=_deep(10_000)),
+                                lkf.InvalidArgumentError, "request_configs"),
+    "lookup_configs_nested": (lambda c, t: c.lookup(t, request_configs=_deep(10_000)),
+                              lkf.InvalidArgumentError, "request_configs"),
+    "configs_surrogate": (lambda c, t: c.store(_kv(2 * C), t, request_configs={"k": "\ud800"}),
+                          lkf.InvalidArgumentError, "request_configs"),
     "salt_slash": (lambda c, t: c.store(_kv(2 * C), t, cache_salt="a/b"), lkf.InvalidArgumentError,
                    "cache_salt"),
     "salt_at": (lambda c, t: c.store(_kv(2 * C), t, cache_salt="a@b"), lkf.InvalidArgumentError,
@@ -312,7 +362,8 @@ def test_calls_after_close(server_shm: LMCacheServer) -> None:
     ("tcp://127.0.0.1:99999", "http://127.0.0.1:1", "url"),
     ("tcp://:5555", "http://127.0.0.1:1", "url"),
     ("tcp://a b:5555", "http://127.0.0.1:1", "url"),
-    ("ipc:///tmp/x", "http://127.0.0.1:1", "url"),
+    ("ipc://", "http://127.0.0.1:1", "url"),  # ipc://path is accepted (lmcache_kv_fast.sdk)
+    ("inproc://x", "http://127.0.0.1:1", "url"),
     ("", "http://127.0.0.1:1", "url"),
     (None, "http://127.0.0.1:1", "url"),
     (5555, "http://127.0.0.1:1", "url"),

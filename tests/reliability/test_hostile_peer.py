@@ -366,6 +366,22 @@ def test_retrieve_refuses_malformed_response(shm_peer: FakePeer, reply: Any) -> 
         assert ctx.retrieve(toks) is not None
 
 
+def test_retrieve_refuses_deeply_nested_response(shm_peer: FakePeer) -> None:
+    """A prepare_retrieve reply nested 100,000 deep: ProtocolError, not RecursionError.
+
+    (In an unknown field: the typed decoder skips it, recursively.)
+    """
+    nested = (b"\x84" + enc("success") + b"\xc3" + enc("data") + enc(b"") + enc("context")
+              + b"\x80" + enc("extra") + _NESTED_MSGPACK)
+    with _ctx(shm_peer) as ctx:
+        toks = _toks(1, 9)
+        assert ctx.store(shm_peer.geom.kv(C, seed=9), toks)
+        shm_peer.on("prepare_retrieve", lambda r: [r.uid, r.op, nested])
+        with pytest.raises(lkf.ProtocolError, match="nested too deeply"):
+            ctx.retrieve(toks)
+        assert ctx.retrieve(toks) is not None
+
+
 # ----------------------------------------------------------------------------- frames
 def _cross_wired(p: FakePeer) -> None:
     """Answer the lookup with silence, then the wait with the lookup's uid."""
@@ -381,7 +397,16 @@ def _cross_wired(p: FakePeer) -> None:
     p.on("wait_prefetch_status", on_wait)
 
 
+#: msgpack nested 100,000 deep (fixarrays of one element), a few hundred KiB
+_NESTED_MSGPACK = b"\x91" * 100_000 + b"\x01"
+
 FRAME_CASES: dict[str, tuple[Callable[[FakePeer], None], type[Exception]]] = {
+    "msgpack_nested_100000_deep": (lambda p: p.on("wait_prefetch_status",
+                                                  lambda r: [r.uid, r.op, _NESTED_MSGPACK]),
+                                   lkf.ProtocolError),
+    "lookup_reply_nested_deep": (lambda p: p.on("lookup",
+                                                lambda r: [r.uid, r.op, _NESTED_MSGPACK]),
+                                 lkf.ProtocolError),
     "wrong_uid": (lambda p: p.on("lookup", lambda r: [enc(987654321), r.op]),
                   lkf.ServerTimeoutError),
     "uid_of_other_request": (_cross_wired, lkf.ProtocolError),
@@ -559,6 +584,9 @@ CONNECT_CASES: dict[str, Callable[[FakePeer], None]] = {
     "config_http_404": _raw("/config", 404, b"{}"),
     "config_too_slow": _raw("/config", 200, b"{}", delay=3.0),
     "config_absurdly_large": _raw("/config", 200, b" " * (17 << 20)),
+    "config_nested_100000_deep": _raw("/config", 200, b"[" * 100_000 + b"]" * 100_000),
+    "config_mp_nested_deep": _raw("/config", 200, b'{"mp": ' + b'{"a": ' * 100_000 + b"1"
+                                  + b"}" * 100_001),
     "chunk_size_missing": _cfg(chunk_size=_DEL),
     "chunk_size_str": _cfg(chunk_size="16"),
     "chunk_size_float": _cfg(chunk_size=16.0),
@@ -576,6 +604,8 @@ CONNECT_CASES: dict[str, Callable[[FakePeer], None]] = {
     "version_old": lambda p: setattr(p, "version", "0.4.0"),
     "status_not_object": _raw("/status", 200, b'"ok"'),
     "status_absurdly_large": _raw("/status", 200, b" " * (17 << 20)),
+    "status_nested_100000_deep": _raw("/status", 200, b'{"x": ' + b"[" * 100_000
+                                      + b"]" * 100_000 + b"}"),
     "status_no_meta": lambda p: p.cache_context_meta.clear(),
     "status_meta_list": _raw("/status", 200, b'{"cache_context_meta": [1]}'),
     "entry_no_layout": _entry("kv_cache_layout", _DEL),
@@ -608,6 +638,10 @@ CONNECT_CASES: dict[str, Callable[[FakePeer], None]] = {
     "slots_per_block_mismatch": _entry("kv_cache_layout.kernel_groups.0.slots_per_block", 8),
     "noop_wrong_answer": lambda p: p.always.__setitem__("noop", lambda r: r.value("NOPE")),
     "noop_silent": lambda p: p.always.__setitem__("noop", lambda r: None),
+    "noop_nested_100000_deep": lambda p: p.always.__setitem__(
+        "noop", lambda r: [r.uid, r.op, _NESTED_MSGPACK]),
+    "register_nested_100000_deep": lambda p: p.always.__setitem__(
+        "register_kv_cache_engine_driven_context", lambda r: [r.uid, r.op, _NESTED_MSGPACK]),
     "register_silent": lambda p: p.always.__setitem__(
         "register_kv_cache_engine_driven_context", lambda r: None),
     "register_wrong_types": lambda p: p.always.__setitem__(
@@ -675,9 +709,12 @@ _NASTY = textwrap.dedent("""
         kv = p.geom.kv(2 * C)
         assert ctx.store(kv, toks)
         # 1. the server shrinks its segment under the client, then hands out slots in the
-        #    vanished part: a copy there would be SIGBUS; it must be refused instead.
+        #    vanished part: a copy there would be SIGBUS; it must be refused instead. It
+        #    answers late, so the client has read both chunks early from its read hints
+        #    (still intact then): the reply must be refused all the same.
         honest = [p._objects[k].offset for k in p._chunk_keys({{"token_ids": toks}}, 0, 2 * C)]
         def shrink_then_slots(r):
+            time.sleep(0.3)
             os.truncate(f"/dev/shm/{{p.segment}}", 4096)
             return r.value({{"success": True, "data": b"",
                             "context": {{"slots": [p.slot(o) for o in honest]}}}})

@@ -114,4 +114,5 @@ def test_mixed_load(load_model: Model, n_contexts: int) -> None:
     left = wait_clean(srv)
     assert not any(left.values()), left
     regs = srv.status()["non_cuda_context_meta"]
-    assert not {str(c.instance_id) for c in contexts} & set(regs)  # all unregistered
+    ids = {str(i) for c in contexts for i in (c.instance_id, c.writer_instance_id)}
+    assert not ids & set(regs)  # all unregistered (readers and writers)

@@ -1,7 +1,7 @@
 """Nothing lost under L1 pressure (64 MiB L1, 256 KiB chunks): every store that returned
 True reads back bit-exact right away and later (unless evicted: then a miss or a shorter
 prefix, never other bytes); a store that did not fit returns False or raises, never True.
-Includes the pickle-plane defect of doc §10.4: the server's pickle ``commit_store`` says
+Includes the pickle-plane defect of docs/protocol.md §10.4: the server's pickle ``commit_store`` says
 True while nothing is stored (L1 full, or keys left staged by an earlier failed commit).
 """
 
@@ -125,7 +125,7 @@ def _raw_pickle_commit(client: ZmqClient, iid: int, name: str, toks: list[int],
 
 @pytest.mark.parametrize("small", ["pickle"], indirect=True)
 def test_pickle_commit_true_while_nothing_stored(small: Model) -> None:
-    """Doc §10.4 with the raw protocol (the server's word), then the SDK's (the truth)."""
+    """docs/protocol.md §10.4 with the raw protocol (the server's word), then the SDK's (the truth)."""
     m, srv = small, small.server
     assert not srv.shm
     client = ZmqClient(srv.url, srv.generation, 30)

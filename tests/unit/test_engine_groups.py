@@ -1,4 +1,4 @@
-"""Engine-group helpers (protocol doc §4.6)."""
+"""Engine-group helpers (docs/protocol.md §4.6)."""
 
 from __future__ import annotations
 

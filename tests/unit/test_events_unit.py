@@ -24,7 +24,7 @@ blake3 = pytest.importorskip("blake3")
 enc = msgspec.msgpack.encode
 dec = msgspec.msgpack.decode
 
-NONE_HASH_HEX = "7e3eff9ef7613a50340eb12677ee03b83ac759fcba9bb32705f07248d56d473b"  # doc §8.1
+NONE_HASH_HEX = "7e3eff9ef7613a50340eb12677ee03b83ac759fcba9bb32705f07248d56d473b"  # docs/protocol.md §8.1
 # What a live 0.5.6 server reported (stored event) for tokens 100..131 at chunk size 32.
 LIVE_H0_HEX = "488fbf3a7810035a4026dc403e71f90cb706ea6e9a4bf0fd9b8d9a4d42e34966"
 
@@ -88,7 +88,7 @@ def test_missing_blake3_is_a_clear_error(monkeypatch):
 
 # ------------------------------------------------------------------ fake server
 class FakeServer:
-    """A scripted ROUTER that speaks just enough of the MP protocol (doc §2.6)."""
+    """A scripted ROUTER that speaks just enough of the MP protocol (docs/protocol.md §2.6)."""
 
     def __init__(self, experimental: list[str] | None = None, answer: bool = True,
                  incarnation: int = 111, port: int | None = None) -> None:

@@ -1,4 +1,4 @@
-"""Decoding /status cache_context_meta entries (protocol doc §5.2, §6, §8.5, §8.6)."""
+"""Decoding /status cache_context_meta entries (docs/protocol.md §5.2, §6, §8.5, §8.6)."""
 
 from __future__ import annotations
 
@@ -24,7 +24,7 @@ from lmcache_kv_fast.layout.decode import format_layer_indices
 # lmcache (the oracle) pulls in opentelemetry, which warns about its own deprecations.
 pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning:opentelemetry")
 
-# The real single-group entry observed on a live 0.5.6 server (doc §5.2).
+# The real single-group entry observed on a live 0.5.6 server (docs/protocol.md §5.2).
 REAL_ENTRY: dict[str, Any] = {
     "model_name": "cpu-test-model",
     "world_size": 1,
@@ -152,7 +152,7 @@ def test_parse_concrete_shape_refuses_non_str() -> None:
 
 # ---------------------------------------------------------------------- per format
 # (format, concrete shape, dtype, cps-plane count kv, NH, head size, D, slots)
-# Doc §5.2 strings first, then one per remaining format with NB=7, BS=16, NH=4, HS=64, L=3
+# docs/protocol.md §5.2 strings first, then one per remaining format with NB=7, BS=16, NH=4, HS=64, L=3
 # (for 10/11 the string 0.5.6 really prints: packed head size in the HS position).
 CASES = [
     ("NL_X_TWO_NB_BS_NH_HS", "3 x [2, 10, 16, 8, 128]", 2, 8, 128, 1024),
@@ -221,7 +221,7 @@ def test_real_entry_from_doc() -> None:
 
 
 def test_mla_cps_from_doc() -> None:
-    # doc §5.2: MLA "3 x [10, 16, 576]", cache_size_per_token 3456 = 1 * 3 * 576 * 2
+    # docs/protocol.md §5.2: MLA "3 x [10, 16, 576]", cache_size_per_token 3456 = 1 * 3 * 576 * 2
     entry = make_entry([make_kg("NL_X_NB_BS_HS", "3 x [10, 16, 576]")], cps=3456)
     chunk = decode_status_entry(entry, 256).require_single_group()
     assert chunk.use_mla and chunk.shape == (3, 256, 576)

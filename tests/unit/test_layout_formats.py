@@ -1,4 +1,4 @@
-"""The EngineKVFormat table (protocol doc §6.1)."""
+"""The EngineKVFormat table (docs/protocol.md §6.1)."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ from lmcache_kv_fast.layout.formats import FORMATS, EngineKVFormat, FormatSpec, 
 # lmcache (the oracle) pulls in opentelemetry, which warns about its own deprecations.
 pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning:opentelemetry")
 
-# value -> symbolic shape as /status prints engine_kv_shape (doc §6.1 "per-layer tensor").
+# value -> symbolic shape as /status prints engine_kv_shape (docs/protocol.md §6.1 "per-layer tensor").
 SYMBOLIC = {
     0: "[NB, NL, 2, BS, NH, HS]",
     1: "NL x [2, NB, BS, NH, HS]",
@@ -34,7 +34,7 @@ SYMBOLIC = {
     17: "NL x NP x [NB, BS, 1, HS]",
     18: "NL x [NB, BS, NH, HS]",
 }
-# value -> (NH index, BS index, head-size index) in the innermost bracket (doc §6.1).
+# value -> (NH index, BS index, head-size index) in the innermost bracket (docs/protocol.md §6.1).
 INDICES = {
     0: (4, 3, 5), 1: (3, 2, 4), 2: (3, 2, 4), 3: (None, 1, 2), 4: (1, None, 2),
     5: (None, None, 2), 6: (2, 3, 4), 7: (2, 3, 4), 8: (3, 4, 5), 9: (2, 1, 3),

@@ -1,4 +1,4 @@
-"""Wire encoding matches the frames captured from the real server (protocol doc §2.8)."""
+"""Wire encoding matches the frames captured from the real server (docs/protocol.md §2.8)."""
 
 from __future__ import annotations
 

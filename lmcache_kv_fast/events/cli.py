@@ -1,4 +1,8 @@
-"""``lmcache-kv-fast events``: republish an MP server's KV events in vLLM's wire format."""
+"""``lmcache-kv-fast events``: republish an MP server's KV events in vLLM's wire format.
+
+Only :mod:`lmcache_kv_fast.cli` (and the deferred ``events_main`` of the package) import
+this module; it sits on top of :mod:`lmcache_kv_fast.events.publisher`.
+"""
 
 from __future__ import annotations
 
@@ -9,13 +13,9 @@ import threading
 from typing import Any
 
 from lmcache_kv_fast.errors import InvalidArgumentError, KVCacheSDKError
-from lmcache_kv_fast.events import (
-    DEFAULT_PUBLISH,
-    DEFAULT_TOPIC,
-    MAX_EVENTS_PER_BATCH,
-    KVEventPublisher,
-    VllmKVEventBatch,
-)
+from lmcache_kv_fast.events.publisher import DEFAULT_PUBLISH, DEFAULT_TOPIC, KVEventPublisher
+from lmcache_kv_fast.events.vllm_format import VllmKVEventBatch
+from lmcache_kv_fast.protocol.constants import MAX_EVENTS_PER_BATCH
 
 logger = logging.getLogger("lmcache_kv_fast.events")
 

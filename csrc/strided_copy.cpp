@@ -1,0 +1,360 @@
+#include "strided_copy.hpp"
+
+#include <pybind11/pybind11.h>
+
+#include <algorithm>
+#include <cstring>
+#include <string>
+
+#if defined(__SSE2__)
+#include <emmintrin.h>
+#endif
+
+#include "common.hpp"
+#include "thread_pool.hpp"
+
+namespace lmckv {
+
+namespace py = pybind11;
+
+namespace {
+
+constexpr size_t kMaxDims = 16;
+// Tile side: one 64-byte cache line of elements (bf16: 32), at most kTileMax.
+constexpr uint64_t kTileBytes = 64;
+constexpr uint64_t kTileMax = 64;
+
+// Largest element offset a view reaches: offset + sum((size - 1) * stride).
+uint64_t max_offset(uint64_t offset, const std::vector<StridedDim>& dims, bool dst) {
+  uint64_t m = offset;
+  for (const StridedDim& d : dims) {
+    const uint64_t s = dst ? d.dst_stride : d.src_stride;
+    m = checked_add(m, checked_mul(d.size - 1, s, "strided_copy"), "strided_copy");
+  }
+  return m;
+}
+
+// Offsets of every member of a chain of dimensions (first = fastest) on both sides.
+void chain_offsets(const std::vector<StridedDim>& chain, std::vector<uint64_t>& dst,
+                   std::vector<uint64_t>& src) {
+  dst.assign(1, 0);
+  src.assign(1, 0);
+  for (const StridedDim& d : chain) {
+    const size_t n = dst.size();
+    for (uint64_t k = 1; k < d.size; ++k) {
+      for (size_t i = 0; i < n; ++i) {
+        dst.push_back(dst[i] + k * d.dst_stride);
+        src.push_back(src[i] + k * d.src_stride);
+      }
+    }
+  }
+}
+
+// Take from `dims` a chain for one side of the tile, fastest first: the dimension with the
+// smallest stride on that side, then the next, until the chain holds `side` elements
+// (contiguous when the strides chain up: stride 1, then each stride == the product so far;
+// else the tile reads or writes through its offset table). A dimension too large for the
+// rest of the tile is split when it divides evenly: its fast part joins the chain, its
+// slow part stays in `dims`.
+std::vector<StridedDim> take_chain(std::vector<StridedDim>& dims, bool dst_side,
+                                   uint64_t side) {
+  std::vector<StridedDim> chain;
+  uint64_t span = 1;
+  while (span < side && !dims.empty()) {
+    auto it = std::min_element(dims.begin(), dims.end(), [&](const StridedDim& x,
+                                                              const StridedDim& y) {
+      return (dst_side ? x.dst_stride : x.src_stride) < (dst_side ? y.dst_stride : y.src_stride);
+    });
+    const uint64_t room = side / span;
+    if (it->size <= room) {
+      span *= it->size;
+      chain.push_back(*it);
+      dims.erase(it);
+      continue;
+    }
+    if (room < 2 || it->size % room) break;
+    chain.push_back({room, it->dst_stride, it->src_stride});
+    *it = {it->size / room, it->dst_stride * room, it->src_stride * room};
+    break;
+  }
+  return chain;
+}
+
+// One tile through a small staging buffer: A x B elements, read source line by source
+// line (B contiguous), written destination line by destination line (A contiguous). The
+// destination rows of a tile are often a power of two apart (and so are the source rows):
+// writing straight from the source lines would keep 2 x kTileMax lines live in a few cache
+// sets; the buffer keeps only one line of each side live at a time.
+template <typename T>
+void tile_typed(char* dst, const char* src, const StridedPlan& p) {
+  T buf[kTileMax * kTileMax];
+  T* d = reinterpret_cast<T*>(dst);
+  const T* s = reinterpret_cast<const T*>(src);
+  const size_t na = p.a_dst.size(), nb = p.b_dst.size();
+  const uint64_t* ad = p.a_dst.data();
+  const uint64_t* as = p.a_src.data();
+  const uint64_t* bd = p.b_dst.data();
+  const uint64_t* bs = p.b_src.data();
+  for (size_t i = 0; i < na; ++i) {  // source lines
+    const T* srow = s + as[i];
+    T* brow = buf + i * nb;
+    if (p.b_src_unit) {
+      std::memcpy(brow, srow, nb * sizeof(T));
+    } else {
+      for (size_t j = 0; j < nb; ++j) std::memcpy(brow + j, srow + bs[j], sizeof(T));
+    }
+  }
+  for (size_t j = 0; j < nb; ++j) {  // destination lines
+    T* drow = d + bd[j];
+    for (size_t i = 0; i < na; ++i) {
+      std::memcpy(drow + (p.a_dst_unit ? i : ad[i]), buf + i * nb + j, sizeof(T));
+    }
+  }
+}
+
+#if defined(__SSE2__)
+// out[j][i] = in[i][j] for an 8 x 8 block of 16-bit elements: in row i at in[i], out row j
+// at out[j] (unaligned 16-byte loads and stores).
+inline void transpose8x8_u16(const uint16_t* const in[8], uint16_t* const out[8]) {
+  __m128i r[8];
+  for (int k = 0; k < 8; ++k) r[k] = _mm_loadu_si128(reinterpret_cast<const __m128i*>(in[k]));
+  const __m128i t0 = _mm_unpacklo_epi16(r[0], r[1]), t1 = _mm_unpackhi_epi16(r[0], r[1]);
+  const __m128i t2 = _mm_unpacklo_epi16(r[2], r[3]), t3 = _mm_unpackhi_epi16(r[2], r[3]);
+  const __m128i t4 = _mm_unpacklo_epi16(r[4], r[5]), t5 = _mm_unpackhi_epi16(r[4], r[5]);
+  const __m128i t6 = _mm_unpacklo_epi16(r[6], r[7]), t7 = _mm_unpackhi_epi16(r[6], r[7]);
+  const __m128i u0 = _mm_unpacklo_epi32(t0, t2), u1 = _mm_unpackhi_epi32(t0, t2);
+  const __m128i u2 = _mm_unpacklo_epi32(t1, t3), u3 = _mm_unpackhi_epi32(t1, t3);
+  const __m128i u4 = _mm_unpacklo_epi32(t4, t6), u5 = _mm_unpackhi_epi32(t4, t6);
+  const __m128i u6 = _mm_unpacklo_epi32(t5, t7), u7 = _mm_unpackhi_epi32(t5, t7);
+  const __m128i c[8] = {_mm_unpacklo_epi64(u0, u4), _mm_unpackhi_epi64(u0, u4),
+                        _mm_unpacklo_epi64(u1, u5), _mm_unpackhi_epi64(u1, u5),
+                        _mm_unpacklo_epi64(u2, u6), _mm_unpackhi_epi64(u2, u6),
+                        _mm_unpacklo_epi64(u3, u7), _mm_unpackhi_epi64(u3, u7)};
+  for (int k = 0; k < 8; ++k) _mm_storeu_si128(reinterpret_cast<__m128i*>(out[k]), c[k]);
+}
+
+// The same for a 4 x 4 block of 32-bit elements.
+inline void transpose4x4_u32(const uint32_t* const in[4], uint32_t* const out[4]) {
+  __m128i r[4];
+  for (int k = 0; k < 4; ++k) r[k] = _mm_loadu_si128(reinterpret_cast<const __m128i*>(in[k]));
+  const __m128i t0 = _mm_unpacklo_epi32(r[0], r[1]), t1 = _mm_unpackhi_epi32(r[0], r[1]);
+  const __m128i t2 = _mm_unpacklo_epi32(r[2], r[3]), t3 = _mm_unpackhi_epi32(r[2], r[3]);
+  const __m128i c[4] = {_mm_unpacklo_epi64(t0, t2), _mm_unpackhi_epi64(t0, t2),
+                        _mm_unpacklo_epi64(t1, t3), _mm_unpackhi_epi64(t1, t3)};
+  for (int k = 0; k < 4; ++k) _mm_storeu_si128(reinterpret_cast<__m128i*>(out[k]), c[k]);
+}
+
+// A tile whose A side is contiguous on the destination and B side on the source, both
+// multiples of the block: transposed block by block straight from source to destination.
+template <typename T, int K, void (*Block)(const T* const*, T* const*)>
+bool tile_simd(char* dst, const char* src, const StridedPlan& p) {
+  const size_t na = p.a_dst.size(), nb = p.b_dst.size();
+  if (!p.a_dst_unit || !p.b_src_unit || na % K || nb % K) return false;
+  T* d = reinterpret_cast<T*>(dst);
+  const T* s = reinterpret_cast<const T*>(src);
+  const T* in[K];
+  T* out[K];
+  for (size_t i0 = 0; i0 < na; i0 += K) {
+    for (size_t j0 = 0; j0 < nb; j0 += K) {
+      for (int k = 0; k < K; ++k) {
+        in[k] = s + p.a_src[i0 + k] + j0;
+        out[k] = d + p.b_dst[j0 + k] + i0;
+      }
+      Block(in, out);
+    }
+  }
+  return true;
+}
+#endif
+
+void tile_bytes(char* dst, const char* src, const StridedPlan& p) {
+  const uint64_t isz = p.itemsize;
+  for (size_t j = 0; j < p.b_dst.size(); ++j) {
+    for (size_t i = 0; i < p.a_dst.size(); ++i) {
+      std::memcpy(dst + (p.a_dst[i] + p.b_dst[j]) * isz, src + (p.a_src[i] + p.b_src[j]) * isz,
+                  isz);
+    }
+  }
+}
+
+// Copy the innermost block at dst/src.
+void inner(char* dst, const char* src, const StridedPlan& p) {
+  if (p.row_elems) {
+    std::memcpy(dst, src, p.row_elems * p.itemsize);
+    return;
+  }
+  switch (p.itemsize) {
+    case 1: tile_typed<uint8_t>(dst, src, p); break;
+    case 2:
+#if defined(__SSE2__)
+      if (tile_simd<uint16_t, 8, transpose8x8_u16>(dst, src, p)) break;
+#endif
+      tile_typed<uint16_t>(dst, src, p);
+      break;
+    case 4:
+#if defined(__SSE2__)
+      if (tile_simd<uint32_t, 4, transpose4x4_u32>(dst, src, p)) break;
+#endif
+      tile_typed<uint32_t>(dst, src, p);
+      break;
+    case 8: tile_typed<uint64_t>(dst, src, p); break;
+    default: tile_bytes(dst, src, p); break;
+  }
+}
+
+}  // namespace
+
+StridedPlan plan_strided_copy(uintptr_t dst_base, uint64_t dst_nbytes, uint64_t dst_offset,
+                              uintptr_t src_base, uint64_t src_nbytes, uint64_t src_offset,
+                              uint64_t itemsize, const std::vector<int64_t>& sizes,
+                              const std::vector<int64_t>& dst_strides,
+                              const std::vector<int64_t>& src_strides) {
+  const std::string who = "strided_copy";
+  if (itemsize == 0) throw py::value_error(who + ": itemsize must be >= 1");
+  if (sizes.size() != dst_strides.size() || sizes.size() != src_strides.size()) {
+    throw py::value_error(who + ": sizes and strides differ in length");
+  }
+  if (sizes.size() > kMaxDims) {
+    throw py::value_error(who + ": at most " + std::to_string(kMaxDims) + " dimensions");
+  }
+  std::vector<StridedDim> dims;
+  uint64_t count = 1;
+  for (size_t i = 0; i < sizes.size(); ++i) {
+    if (sizes[i] < 0 || dst_strides[i] < 0 || src_strides[i] < 0) {
+      throw py::value_error(who + ": negative size or stride in dimension " + std::to_string(i));
+    }
+    if (sizes[i] == 0) return StridedPlan{};  // nothing to copy
+    count = checked_mul(count, static_cast<uint64_t>(sizes[i]), "strided_copy");
+    if (sizes[i] > 1) {
+      dims.push_back({static_cast<uint64_t>(sizes[i]), static_cast<uint64_t>(dst_strides[i]),
+                      static_cast<uint64_t>(src_strides[i])});
+    }
+  }
+  const uint64_t total = checked_mul(count, itemsize, "strided_copy");
+  if (dst_base == 0 || src_base == 0) throw py::value_error(who + ": null buffer address");
+  (void)checked_add(dst_base, dst_nbytes, "strided_copy");
+  (void)checked_add(src_base, src_nbytes, "strided_copy");
+  if (dst_base < src_base + src_nbytes && src_base < dst_base + dst_nbytes) {
+    throw py::value_error(who + ": the destination buffer overlaps the source buffer");
+  }
+  for (const bool dst : {true, false}) {
+    const uint64_t off = dst ? dst_offset : src_offset;
+    const uint64_t end = checked_mul(checked_add(max_offset(off, dims, dst), 1, "strided_copy"),
+                                     itemsize, "strided_copy");
+    if (end > (dst ? dst_nbytes : src_nbytes)) {
+      throw py::value_error(who + ": the " + (dst ? "destination" : "source") + " view reaches "
+                            "byte " + std::to_string(end) + " of a " +
+                            std::to_string(dst ? dst_nbytes : src_nbytes) + "-byte buffer");
+    }
+  }
+  // A destination that writes one element twice would make the result order-dependent:
+  // every dimension must step over all the faster ones (nested strides).
+  std::stable_sort(dims.begin(), dims.end(), [](const StridedDim& x, const StridedDim& y) {
+    return x.dst_stride > y.dst_stride;
+  });
+  {
+    uint64_t span = 1;
+    for (size_t k = dims.size(); k-- > 0;) {
+      if (dims[k].dst_stride < span) {
+        throw py::value_error(who + ": the destination view overlaps itself");
+      }
+      span = checked_mul(dims[k].dst_stride, dims[k].size, "strided_copy");
+    }
+  }
+  StridedPlan plan;
+  plan.dst = reinterpret_cast<char*>(dst_base) + dst_offset * itemsize;
+  plan.src = reinterpret_cast<const char*>(src_base) + src_offset * itemsize;
+  plan.itemsize = itemsize;
+  plan.total_bytes = total;
+  // Merge dimensions contiguous in each other on both sides (dst strides descending).
+  std::vector<StridedDim> merged;
+  for (const StridedDim& d : dims) {
+    if (!merged.empty()) {
+      StridedDim& o = merged.back();
+      if (o.dst_stride == d.size * d.dst_stride && o.src_stride == d.size * d.src_stride) {
+        o = {o.size * d.size, d.dst_stride, d.src_stride};
+        continue;
+      }
+    }
+    merged.push_back(d);
+  }
+  auto row = std::find_if(merged.begin(), merged.end(), [](const StridedDim& d) {
+    return d.dst_stride == 1 && d.src_stride == 1;
+  });
+  // A short run contiguous on both sides (e.g. AMX's pairs of bf16) becomes the element:
+  // the rest is then tiled in units of that run instead of copied run by run.
+  if (row != merged.end() && row->size * itemsize < kTileBytes &&
+      std::all_of(merged.begin(), merged.end(), [&](const StridedDim& d) {
+        return &d == &*row || (d.dst_stride % row->size == 0 && d.src_stride % row->size == 0);
+      })) {
+    const uint64_t r = row->size;
+    merged.erase(row);
+    for (StridedDim& d : merged) {
+      d.dst_stride /= r;
+      d.src_stride /= r;
+    }
+    itemsize *= r;
+    plan.itemsize = itemsize;
+    row = merged.end();
+  }
+  if (merged.empty()) {
+    plan.row_elems = 1;
+  } else if (row != merged.end()) {
+    plan.row_elems = row->size;
+    merged.erase(row);
+  } else {
+    std::vector<StridedDim> rest(merged);
+    const uint64_t side = std::clamp<uint64_t>(kTileBytes / itemsize, 1, kTileMax);
+    const std::vector<StridedDim> a = take_chain(rest, true, side);
+    const std::vector<StridedDim> b = take_chain(rest, false, side);
+    chain_offsets(a, plan.a_dst, plan.a_src);
+    chain_offsets(b, plan.b_dst, plan.b_src);
+    for (size_t i = 0; i < plan.a_dst.size(); ++i) plan.a_dst_unit &= plan.a_dst[i] == i;
+    for (size_t j = 0; j < plan.b_src.size(); ++j) plan.b_src_unit &= plan.b_src[j] == j;
+    merged = std::move(rest);
+    std::stable_sort(merged.begin(), merged.end(), [](const StridedDim& x, const StridedDim& y) {
+      return x.dst_stride > y.dst_stride;
+    });
+  }
+  plan.outer = std::move(merged);
+  return plan;
+}
+
+void execute_strided_copy(const StridedPlan& p) {
+  if (p.total_bytes == 0) return;
+  uint64_t n_outer = 1;
+  for (const StridedDim& d : p.outer) n_outer *= d.size;  // <= element count: no overflow
+  const uint64_t isz = p.itemsize;
+  const int max_tasks = static_cast<int>(std::min<uint64_t>(n_outer, 1 << 16));
+  run_parallel(p.total_bytes, max_tasks, [&](int task, int ntasks) {
+    const uint64_t lo = n_outer * static_cast<uint64_t>(task) / static_cast<uint64_t>(ntasks);
+    const uint64_t hi = n_outer * static_cast<uint64_t>(task + 1) / static_cast<uint64_t>(ntasks);
+    if (lo >= hi) return;
+    const size_t nd = p.outer.size();
+    uint64_t idx[2 * kMaxDims] = {};
+    uint64_t doff = 0, soff = 0;
+    uint64_t rem = lo;
+    for (size_t k = nd; k-- > 0;) {  // decode lo (innermost outer dimension last)
+      idx[k] = rem % p.outer[k].size;
+      rem /= p.outer[k].size;
+      doff += idx[k] * p.outer[k].dst_stride;
+      soff += idx[k] * p.outer[k].src_stride;
+    }
+    for (uint64_t it = lo; it < hi; ++it) {
+      inner(p.dst + doff * isz, p.src + soff * isz, p);
+      for (size_t k = nd; k-- > 0;) {  // odometer step
+        const StridedDim& d = p.outer[k];
+        if (++idx[k] < d.size) {
+          doff += d.dst_stride;
+          soff += d.src_stride;
+          break;
+        }
+        idx[k] = 0;
+        doff -= (d.size - 1) * d.dst_stride;
+        soff -= (d.size - 1) * d.src_stride;
+      }
+    }
+  });
+}
+
+}  // namespace lmckv

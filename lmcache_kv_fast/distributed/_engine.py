@@ -1,0 +1,347 @@
+"""A long-lived pipelined item engine over one context (one per actor / Ray Data worker).
+
+This is the **only** module of :mod:`lmcache_kv_fast.distributed` that touches
+:mod:`lmcache_kv_fast.batch` internals (``_ItemResult``, ``_account_store``,
+``_accepts_alloc``, ``_fail``, ``_nbytes``). Each item runs exactly the flow of
+``batch.rewrite`` / ``store_many`` / ``retrieve_many`` (same calls, same accounting), but
+items arrive over time from several callers (Ray calls) instead of from one iterable, and
+the buffers (retrieve buffers, ``alloc`` output pool) stay warm across calls. When
+``batch`` grows a reusable per-item engine (e.g. ``run_rewrite(ctx, items, fn,
+on_result=...)``), :meth:`ItemEngine._task` is the function to switch over.
+
+On top of batch's per-item flow it adds what a fleet needs:
+
+* ``verify`` (set on a retry after a lost actor): the part of the item's output that is
+  already cached (what the lost attempt stored) is read back and compared byte for byte
+  with this attempt's output *before* anything is stored; a difference fails the item at
+  stage ``verify`` and stores nothing, instead of mixing two attempts' results (see
+  docs/distributed.md, "Faults").
+* ``want_hashes``: return the server chunk hashes of what was stored (feeds a
+  :class:`~lmcache_kv_fast.distributed.events_index.KVEventsIndex`; the server announces
+  no SDK store, protocol doc §11 #21).
+"""
+
+from __future__ import annotations
+
+import collections
+import concurrent.futures as cf
+import logging
+import threading
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from lmcache_kv_fast.batch import (
+    DEFAULT_MAX_IN_FLIGHT,
+    OutputPool,
+    _accepts_alloc,
+    _account_store,
+    _fail,
+    _ItemResult,
+    _nbytes,
+)
+from lmcache_kv_fast.context import LMCacheKVCacheContext, normalize_tokens, usable_cores
+from lmcache_kv_fast.errors import InvalidArgumentError, KVCacheSDKError
+
+logger = logging.getLogger(__name__)
+
+OPS = ("rewrite", "store", "retrieve")
+
+
+@dataclass
+class Outcome:
+    """What one item did on one server (picklable: it crosses Ray).
+
+    Attributes:
+        index: The item's index in the caller's batch.
+        status: ``ok`` | ``missed`` | ``failed``.
+        stage: Where it missed/failed (``route``, ``retrieve``, ``fn``, ``store``,
+            ``verify``, ``actor``).
+        reason: Why.
+        tokens: Tokens moved (retrieved plus stored), as in :class:`BatchReport`.
+        nbytes: KV bytes moved.
+        stages: Seconds per stage.
+        refused: Chunks the store could not place (staged by someone else, or L1 full).
+        hashes: Chunk hashes of the stored output (with ``want_hashes``).
+        value: ``retrieve``: the KV tensor (None on a miss).
+    """
+
+    index: int
+    status: str = "ok"
+    stage: str = ""
+    reason: str = ""
+    tokens: int = 0
+    nbytes: int = 0
+    stages: dict[str, float] = field(default_factory=dict)
+    refused: int = 0
+    hashes: list[bytes] | None = None
+    value: Any = None
+
+
+def _outcome(res: _ItemResult, refused: int = 0) -> Outcome:
+    return Outcome(res.index, res.status, res.stage, res.reason, res.tokens, res.nbytes,
+                   dict(res.stages), refused)
+
+
+class ItemEngine:
+    """Runs rewrite / store / retrieve items on one context, pipelined, from any thread.
+
+    At most ``max_in_flight`` items are alive at once (``submit`` blocks beyond that);
+    ``workers`` threads run them (default as in ``batch``: ``rewrite`` uses
+    ``min(max_in_flight, 3, cores // 2)``, at least 1; the others ``min(max_in_flight, 4)``).
+
+    Args:
+        ctx: A connected context (the engine does not close it).
+        max_in_flight: Items alive at once (memory bound: ``max_in_flight × largest KV``).
+        workers: Worker threads (None: see above).
+        reuse_buffers: Read rewrite inputs into reused buffers.
+    """
+
+    def __init__(self, ctx: LMCacheKVCacheContext, *, max_in_flight: int = DEFAULT_MAX_IN_FLIGHT,
+                 workers: int | None = None, reuse_buffers: bool = True) -> None:
+        if not isinstance(ctx, LMCacheKVCacheContext):
+            raise InvalidArgumentError(f"ctx must be an LMCacheKVCacheContext, got {type(ctx).__name__}")
+        if type(max_in_flight) is not int or max_in_flight < 1:
+            raise InvalidArgumentError(f"max_in_flight must be a positive int, got {max_in_flight!r}")
+        if workers is not None and (type(workers) is not int or workers < 1):
+            raise InvalidArgumentError(f"workers must be a positive int, got {workers!r}")
+        self.ctx = ctx
+        self.max_in_flight = max_in_flight
+        self._slots = threading.BoundedSemaphore(max_in_flight)
+        n_rw = workers or max(1, min(max_in_flight, 3, usable_cores() // 2))
+        n_io = workers or min(max_in_flight, 4)
+        self._rw_pool = cf.ThreadPoolExecutor(n_rw, thread_name_prefix="lmckv-fleet-rw")
+        self._io_pool = cf.ThreadPoolExecutor(n_io, thread_name_prefix="lmckv-fleet-io")
+        self._reuse = reuse_buffers
+        self._free: collections.deque[torch.Tensor] = collections.deque()
+        self._free_lock = threading.Lock()
+        self._out_pool = OutputPool(max_in_flight + 1)
+        self._fn_alloc: dict[int, bool] = {}
+        self._closed = False
+
+    # ------------------------------------------------------------------ public
+    def submit(self, op: str, index: int, payload: Any, *, fn: Callable[..., Any] | None = None,
+               cache_salt: str = "", verify: bool = False, want_hashes: bool = False
+               ) -> cf.Future[Outcome]:
+        """Queue one item; blocks while ``max_in_flight`` items are alive.
+
+        Args:
+            op: ``rewrite`` (payload: tokens), ``store`` (payload: ``(kv, tokens)``) or
+                ``retrieve`` (payload: tokens).
+            index: The item's index (echoed in the outcome).
+            payload: See ``op``.
+            fn: The edit (``rewrite``).
+            cache_salt: Salt of reads and writes.
+            verify: Compare output chunks found already cached with this attempt's output.
+            want_hashes: Return the chunk hashes of the stored output.
+
+        Returns:
+            A future of the item's :class:`Outcome` (it never raises for item errors).
+        """
+        if op not in OPS:
+            raise InvalidArgumentError(f"op must be one of {OPS}, got {op!r}")
+        if op == "rewrite" and not callable(fn):
+            raise InvalidArgumentError(f"rewrite needs a callable fn, got {type(fn).__name__}")
+        if self._closed:
+            raise KVCacheSDKError("the item engine is closed")
+        self._slots.acquire()
+        pool = self._rw_pool if op == "rewrite" else self._io_pool
+        try:
+            fut = pool.submit(self._task, op, index, payload, fn, cache_salt, verify, want_hashes)
+        except BaseException:
+            self._slots.release()
+            raise
+        fut.add_done_callback(lambda _f: self._slots.release())
+        return fut
+
+    def run(self, op: str, items: Sequence[tuple[int, Any]], **kw: Any) -> list[Outcome]:
+        """Run ``(index, payload)`` items (see :meth:`submit`); outcomes in input order."""
+        futs = [self.submit(op, i, p, **kw) for i, p in items]
+        return [f.result() for f in futs]
+
+    def lookup_many(self, token_lists: Sequence[Any], cache_salt: str = "") -> list[int]:
+        """Cached prefix length (tokens) of each sequence; -1 where the lookup failed."""
+        def one(toks: Any) -> int:
+            try:
+                return self.ctx.lookup(toks, cache_salt)
+            except KVCacheSDKError as err:
+                logger.warning("lookup on %s failed: %s", self.ctx.url, err)
+                return -1
+        return list(self._io_pool.map(one, token_lists))
+
+    def close(self) -> None:
+        """Wait for running items; stop the threads (the context stays open)."""
+        self._closed = True
+        self._rw_pool.shutdown(wait=True)
+        self._io_pool.shutdown(wait=True)
+        self._free.clear()
+
+    # ------------------------------------------------------------------ buffers
+    def _take(self, tokens: int) -> torch.Tensor | None:
+        if not self._reuse:
+            return None
+        with self._free_lock:
+            for _ in range(len(self._free)):
+                t = self._free.popleft()
+                if t.shape[-2] >= tokens:
+                    return t
+                self._free.append(t)
+        return torch.empty(self.ctx.kv_shape(tokens), dtype=self.ctx.dtype)
+
+    def _give(self, t: torch.Tensor | None) -> None:
+        if t is not None:
+            with self._free_lock:
+                if len(self._free) < self.max_in_flight:
+                    self._free.append(t)
+
+    def _accepts_alloc(self, fn: Callable[..., Any]) -> bool:
+        key = id(fn)
+        hit = self._fn_alloc.get(key)
+        if hit is None:
+            hit = self._fn_alloc[key] = _accepts_alloc(fn)
+        return hit
+
+    # ------------------------------------------------------------------ items
+    def _task(self, op: str, index: int, payload: Any, fn: Callable[..., Any] | None,
+              salt: str, verify: bool, want_hashes: bool) -> Outcome:
+        try:
+            if op == "rewrite":
+                return self._rewrite(index, payload, fn, salt, verify, want_hashes)  # type: ignore[arg-type]
+            if op == "store":
+                return self._store(index, payload, salt, verify, want_hashes)
+            return self._retrieve(index, payload, salt)
+        except Exception as err:  # never let one item take the caller down
+            logger.exception("item %d (%s) failed unexpectedly", index, op)
+            return _outcome(_fail(_ItemResult(index), op, err))
+
+    def _retrieve(self, index: int, toks: Any, salt: str) -> Outcome:
+        res = _ItemResult(index)
+        t = time.perf_counter()
+        try:
+            kv = self.ctx.retrieve(toks, salt)
+        except Exception as err:
+            return _outcome(_fail(res, "retrieve", err))
+        res.stages["retrieve"] = time.perf_counter() - t
+        if kv is None:
+            res.status, res.stage, res.reason = "missed", "retrieve", "nothing cached"
+        else:
+            res.tokens, res.nbytes = kv.shape[-2], _nbytes(kv)
+        out = _outcome(res)
+        out.value = kv
+        return out
+
+    def _store(self, index: int, item: Any, salt: str, verify: bool, want_hashes: bool) -> Outcome:
+        res = _ItemResult(index)
+        try:
+            kv, toks = item
+        except (TypeError, ValueError) as err:
+            return _outcome(_fail(res, "store", err))
+        return self._store_checked(res, kv, toks, salt, verify, want_hashes)
+
+    def _rewrite(self, index: int, toks_in: Any, fn: Callable[..., Any], salt: str,
+                 verify: bool, want_hashes: bool) -> Outcome:
+        # The flow of batch.rewrite's per-item task, step for step.
+        ctx = self.ctx
+        res = _ItemResult(index)
+        try:
+            toks = normalize_tokens(toks_in)
+        except KVCacheSDKError as err:
+            return _outcome(_fail(res, "retrieve", err))
+        whole = len(toks) // ctx.chunk_size * ctx.chunk_size
+        buf = self._take(whole) if whole else None
+        taken: list[torch.Tensor] = []
+        try:
+            t = time.perf_counter()
+            try:
+                kv = ctx.retrieve(toks, salt, out=buf)
+            except Exception as err:
+                return _outcome(_fail(res, "retrieve", err))
+            res.stages["retrieve"] = time.perf_counter() - t
+            if kv is None:
+                res.status, res.stage, res.reason = "missed", "retrieve", "nothing cached"
+                return _outcome(res)
+            hit = kv.shape[-2]
+            res.tokens, res.nbytes = hit, _nbytes(kv)
+            t = time.perf_counter()
+            try:
+                if self._accepts_alloc(fn):
+                    new_kv, new_toks = fn(kv, toks[:hit], alloc=lambda shape, dtype=ctx.dtype:
+                                          self._out_pool.alloc(shape, dtype, taken))
+                else:
+                    new_kv, new_toks = fn(kv, toks[:hit])
+            except Exception as err:
+                return _outcome(_fail(res, "fn", err))
+            res.stages["fn"] = time.perf_counter() - t
+            return self._store_checked(res, new_kv, new_toks, salt, verify, want_hashes)
+        finally:
+            self._give(buf)
+            self._out_pool.give_back(taken)
+
+    def _store_checked(self, res: _ItemResult, kv: torch.Tensor, toks: Any, salt: str,
+                       verify: bool, want_hashes: bool) -> Outcome:
+        """Store (as ``batch`` does); with ``verify``, first compare what is already cached.
+
+        A retry must not add its chunks to an earlier attempt's different result: the
+        cached prefix of the output is read back and compared before anything is stored
+        (a conflict fails the item and stores nothing), and whatever else the store finds
+        already cached (a gap) is compared after it.
+        """
+        verified = 0
+        if verify:
+            t = time.perf_counter()
+            try:
+                verified = self.ctx.lookup(toks, salt)
+            except Exception as err:
+                return _outcome(_fail(res, "verify", err))
+            why = self._differs(kv, toks, verified, salt) if verified else ""
+            res.stages["verify"] = time.perf_counter() - t
+            if why:
+                res.status, res.stage, res.reason = "failed", "verify", why
+                return _outcome(res)
+        t = time.perf_counter()
+        try:
+            r = self.ctx.store_ex(kv, toks, salt)
+        except Exception as err:
+            return _outcome(_fail(res, "store", err))
+        res.stages["store"] = time.perf_counter() - t
+        _account_store(res, kv, r)
+        out = _outcome(res, refused=r.chunks_refused)
+        cached_toks = r.chunks_already_cached * self.ctx.chunk_size
+        if verify and r.tokens_stored and cached_toks > verified:
+            t = time.perf_counter()
+            why = self._differs(kv, toks, r.tokens_stored, salt, stored=True)
+            out.stages["verify"] = out.stages.get("verify", 0.0) + time.perf_counter() - t
+            if why:
+                out.status, out.stage, out.reason = "failed", "verify", why
+                return out
+        if want_hashes and r.tokens_stored:
+            from lmcache_kv_fast.hashing import chunk_hashes
+
+            try:
+                out.hashes = chunk_hashes(normalize_tokens(toks)[: r.tokens_stored],
+                                          self.ctx.chunk_size)
+            except KVCacheSDKError as err:  # blake3 missing: the index just learns nothing
+                logger.warning("cannot hash the stored chunks for the events index: %s", err)
+        return out
+
+    def _differs(self, kv: torch.Tensor, toks: Any, n: int, salt: str, *, stored: bool = False) -> str:
+        """Empty when the cached ``toks[:n]`` equal ``kv[..., :n, :]`` (or are gone), else why not."""
+        try:
+            got = self.ctx.retrieve(normalize_tokens(toks)[:n], salt)
+        except Exception as err:
+            return f"could not read the cached output back to verify it: {type(err).__name__}: {err}"
+        if got is None:  # evicted meanwhile: nothing left that could be served wrong
+            return ""
+        m = got.shape[-2]
+        mine = kv.reshape(got.shape[:-2] + kv.shape[-2:])[..., :m, :] if kv.dim() != got.dim() \
+            else kv[..., :m, :]
+        if torch.equal(got, mine):
+            return ""
+        return ("conflict: the server already held chunks of this item's output with other "
+                "content (an earlier attempt on a lost actor stored a different result: fn "
+                "is not deterministic, or its input changed, e.g. the source KV was partly "
+                "evicted); they were not overwritten"
+                + ("" if stored else " and nothing of this attempt was stored"))

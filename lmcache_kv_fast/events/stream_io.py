@@ -1,0 +1,241 @@
+"""The socket half of a KV-event subscription: frames in, batches out (docs/protocol.md §2.2, §2.6).
+
+:class:`KVEventBatch` is what a subscription yields; :class:`_StreamIO` is the base of
+:class:`~lmcache_kv_fast.events.stream.KVEventSubscription` that speaks the wire: the
+``get_experimental`` capability probe, ``subscribe_kv_events`` requests, the socket
+monitor's disconnect / reconnect (resubscribe at the received cursor), end markers, and
+the incarnation check after a reconnect.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import os
+import time
+
+import zmq
+from zmq.utils.monitor import recv_monitor_message
+
+from lmcache_kv_fast.errors import (
+    InvalidArgumentError,
+    KVCacheSDKError,
+    ProtocolError,
+    ServerTimeoutError,
+)
+from lmcache_kv_fast.events.common import KV_EVENT_CAPABILITY
+from lmcache_kv_fast.protocol import codec
+from lmcache_kv_fast.protocol import types as _wire
+from lmcache_kv_fast.protocol.constants import STREAM_ACK, STREAM_CANCEL
+from lmcache_kv_fast.protocol.ops import Generation, Op
+
+logger = logging.getLogger("lmcache_kv_fast.events")
+
+#: The consumer wakes this often while waiting, to notice close() and a closed context.
+_POLL_SLICE_S = 0.1
+
+_UIDS = itertools.count(int.from_bytes(os.urandom(3), "big") << 8)
+
+
+class KVEventBatch(_wire.KVEventBatch, kw_only=True):
+    """One batch of the server's KV event stream (docs/protocol.md §4.5), as the subscription yields it.
+
+    Wire fields: ``enabled``, ``incarnation`` (server start time in ns), ``next_cursor``,
+    ``lost``, ``events`` (:class:`KVEventRecord`, filtered to the subscribed model).
+
+    Attributes:
+        incarnation_changed: Set by the client: this batch comes from a different server
+            incarnation than the previous batch of the same subscription (the server was
+            restarted and lost its cache). Everything learned before is void.
+    """
+
+    incarnation_changed: bool = False
+
+    @property
+    def resync(self) -> bool:
+        """True when everything announced before must be withdrawn (lost or restarted)."""
+        return self.lost or self.incarnation_changed
+
+
+class KVEventTimeout(ServerTimeoutError):
+    """No batch arrived within the subscription's ``timeout``; the subscription stays open."""
+
+
+
+def send_stream_control(sock: zmq.Socket, uid_frame: bytes, action: bytes) -> None:
+    """Send a stream control frame ``[uid, b"", action]`` (``ack`` / ``cancel``, docs/protocol.md §2.2).
+
+    Args:
+        sock: The DEALER the subscribe request went out on.
+        uid_frame: The subscribe request's uid frame, byte for byte.
+        action: ``b"ack"`` or ``b"cancel"``.
+    """
+    if action not in (STREAM_ACK, STREAM_CANCEL):
+        raise InvalidArgumentError(f"stream control must be ack or cancel, got {action!r}")
+    sock.send_multipart([uid_frame, b"", action])
+
+
+class _StreamIO:
+    """Wire work of a subscription; the subclass owns the state and the lock.
+
+    :class:`~lmcache_kv_fast.events.stream.KVEventSubscription` creates every attribute
+    below in its ``__init__`` and calls these methods while holding its lock.
+    """
+
+    url: str
+    model_name: str
+    instance_id: int
+    max_events: int
+    end_reason: str | None
+    _gen: Generation
+    _sock: zmq.Socket
+    _monitor: zmq.Socket
+    _poller: zmq.Poller
+    _op_frame: bytes
+    _closed: bool
+    _ended: bool
+    _cancelling: bool
+    _cancel_done: bool
+    _error: KVCacheSDKError | None
+    _call_uid: bytes | None
+    _call_reply: list[bytes] | None
+    _stream_uid: bytes | None
+    _unacked_uid: bytes | None
+    _sent_cursor: int
+    _recv_cursor: int
+    _check_resync: bool
+    _need_resubscribe: bool
+    _last_incarnation: int | None
+    _pending: tuple[bytes, KVEventBatch] | None
+
+    def _check_capability(self, probe: float) -> None:
+        uid = codec.encode(next(_UIDS))
+        self._call_uid, self._call_reply = uid, None
+        self._sock.send_multipart([uid, codec.encode(self._gen.op_frame_value(Op.GET_EXPERIMENTAL))])
+        deadline = time.monotonic() + probe
+        while self._call_reply is None:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise KVCacheSDKError(
+                    f"get_experimental on {self.url} got no reply within {probe:g}s: the "
+                    "server is not reachable there or is older than LMCache 0.5.6"
+                )
+            self._pump(min(left, _POLL_SLICE_S))
+        frames, self._call_uid, self._call_reply = self._call_reply, None, None
+        caps = codec.decode(frames[2], list[str], what="get_experimental") \
+            if len(frames) == 3 else []
+        if KV_EVENT_CAPABILITY not in caps:
+            raise KVCacheSDKError(
+                f"the LMCache server at {self.url} does not record KV events (get_experimental "
+                f"= {caps!r}); start it without --kv-event-log-size 0 and without "
+                "--disable-observability"
+            )
+
+    def _send_subscribe(self, cursor: int, *, resync: bool = False) -> None:
+        uid = codec.encode(next(_UIDS))
+        self._sock.send_multipart([
+            uid, self._op_frame, codec.encode(self.instance_id), codec.encode(self.model_name),
+            codec.encode(cursor), codec.encode(self.max_events),
+        ])
+        self._stream_uid = uid
+        self._sent_cursor = cursor
+        self._check_resync = resync
+
+    def _pump(self, wait_s: float) -> None:
+        ready = dict(self._poller.poll(max(0, int(wait_s * 1000))))
+        if self._monitor in ready:
+            while True:
+                try:
+                    msg = recv_monitor_message(self._monitor, zmq.NOBLOCK)
+                except zmq.Again:
+                    break
+                self._on_monitor(int(msg["event"]))
+        if self._sock in ready:
+            while True:
+                try:
+                    frames = self._sock.recv_multipart(zmq.NOBLOCK)
+                except zmq.Again:
+                    break
+                self._on_frames(frames)
+
+    def _on_monitor(self, event: int) -> None:
+        if self._closed or self._cancelling or self._ended:
+            return
+        if event == zmq.EVENT_DISCONNECTED:
+            if not self._need_resubscribe:
+                logger.warning("KV event stream: lost the connection to %s; resubscribing at "
+                               "cursor %d when it is back", self.url, self._recv_cursor)
+            self._stream_uid = None
+            self._unacked_uid = None
+            self._need_resubscribe = True
+        elif event == zmq.EVENT_CONNECTED and self._need_resubscribe:
+            self._need_resubscribe = False
+            logger.info("KV event stream: reconnected to %s; resubscribing", self.url)
+            self._send_subscribe(self._recv_cursor, resync=True)
+
+    def _on_frames(self, frames: list[bytes]) -> None:
+        if len(frames) < 2:
+            return
+        uid = frames[0]
+        if uid == self._call_uid:
+            self._call_reply = frames
+            return
+        if uid != self._stream_uid:
+            logger.debug("KV event stream: dropping a frame of an old stream")
+            return
+        if frames[1] != self._op_frame:
+            logger.warning("KV event stream: reply echoed operation %r, ignoring it",
+                           frames[1][:40])
+            return
+        if len(frames) == 2:  # end marker
+            self._stream_uid = None
+            if self._cancelling:
+                self._cancel_done = True
+            else:
+                self._ended = True
+                self.end_reason = (
+                    "the server ended the stream (a newer subscription with the same "
+                    "instance_id, the reaper, or KV events disabled)"
+                )
+                logger.info("KV event stream of %r on %s ended by the server",
+                            self.model_name, self.url)
+            return
+        if self._cancelling:
+            return
+        if len(frames) != 3:
+            self._error = ProtocolError(
+                f"subscribe_kv_events batch from {self.url} has {len(frames)} frames, expected 3"
+            )
+            self.end_reason = str(self._error)
+            return
+        try:
+            batch = codec.decode(frames[2], KVEventBatch, what="subscribe_kv_events")
+        except ProtocolError as err:
+            self._error = err
+            self.end_reason = str(err)
+            return
+        self._on_batch(uid, batch)
+
+    def _on_batch(self, uid: bytes, batch: KVEventBatch) -> None:
+        prev = self._last_incarnation
+        changed = prev is not None and batch.incarnation != prev
+        if self._check_resync:
+            self._check_resync = False
+            if changed and self._sent_cursor != 0:
+                logger.warning(
+                    "KV event stream: the server at %s restarted (incarnation %d -> %d); "
+                    "restarting the stream at cursor 0", self.url, prev, batch.incarnation)
+                self._send_subscribe(0)  # replaces this stream; its end marker is dropped
+                return
+            if not changed and not batch.events and not batch.lost and batch.enabled:
+                # Reconnected to the same server and nothing is new: no batch to surface,
+                # but the credit must be returned for the stream to go on.
+                self._recv_cursor = batch.next_cursor
+                send_stream_control(self._sock, uid, STREAM_ACK)
+                return
+        batch.incarnation_changed = changed
+        self._last_incarnation = batch.incarnation
+        self._recv_cursor = batch.next_cursor
+        self._pending = (uid, batch)
+        if not batch.enabled:
+            logger.warning("the LMCache server at %s reports KV events disabled", self.url)

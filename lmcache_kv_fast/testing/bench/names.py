@@ -1,0 +1,41 @@
+"""Names of the paths (the table's rows) and of the ops (its workload column).
+
+Standard library only: the worker interpreters import this module too (see
+:mod:`.worker`).
+"""
+
+from __future__ import annotations
+
+__all__ = [
+    "IC_KVF", "IC_TORCH", "IC_UP", "KVF_PICKLE", "KVF_T1", "KVF_TORCH", "UPSTREAM",
+    "UPSTREAM_PICKLE", "UPSTREAM_T1", "W1_COPY_COLD", "W1_COPY_COLD_SHM", "W1_COPY_WARM",
+    "W1_RET_COLD", "W1_RET_OUT", "W1_RET_WARM", "W1_STORE_COLD", "W1_STORE_WARM", "W2_COPY",
+    "W2_RET", "W2_STORE", "W3", "W3_BATCH", "W3_SEQ", "W4_COPY", "W4_RET", "W4_STORE",
+    "kvf_native", "roofline",
+]
+
+# ---------------------------------------------------------------------------- paths
+UPSTREAM, UPSTREAM_T1, UPSTREAM_PICKLE = "upstream", "upstream@torch1", "upstream-pickle"
+KVF_TORCH, KVF_PICKLE, KVF_T1 = "kvfast-torch", "kvfast-pickle", "kvfast-native@torch1"
+
+
+def kvf_native(threads: int) -> str:
+    """Path name of this SDK's native backend at ``threads`` copy threads."""
+    return f"kvfast-native-{threads}t"
+
+
+def roofline(threads: int) -> str:
+    """Path name of the memcpy roofline at ``threads`` threads."""
+    return f"roofline-{threads}t"
+
+
+# ---------------------------------------------------------------------------- ops
+W1_STORE_WARM, W1_STORE_COLD = "W1 store warm", "W1 store cold"
+W1_RET_WARM, W1_RET_COLD, W1_RET_OUT = "W1 retrieve warm", "W1 retrieve cold", "W1 retrieve+out warm"
+W1_COPY_WARM, W1_COPY_COLD = "W1 copy warm", "W1 copy cold"
+W1_COPY_COLD_SHM = "W1 copy cold shm"
+W2_STORE, W2_RET, W2_COPY = "W2 store", "W2 retrieve", "W2 copy"
+#: W3 is driven as one op ("W3") whose reps time both contenders, recorded under these.
+W3, W3_SEQ, W3_BATCH = "W3", "W3 rewrite sequential", "W3 rewrite batch"
+W4_STORE, W4_RET, W4_COPY = "W4 store", "W4 retrieve", "W4 copy"
+IC_TORCH, IC_KVF, IC_UP = "import torch", "kvfast import+connect", "upstream import+connect"

@@ -1,0 +1,244 @@
+"""Bench W6: the batched stream's modify phase on a real engine, this SDK vs upstream's.
+
+``lmcache-kv-fast bench --w6``: 16 request streams of 2,048-token prompts run prefill →
+modify (drop every 10th token's K/V) → decode against a real vLLM CPU engine (the
+OpenAI-compatible server on the tiny Llama, ``testing/engine.py``) writing into a real
+LMCache server, once with ``lmcache_kv_fast.sdk`` and once with upstream 0.5.6's
+``lmcache.sdk.batch.LMCacheBatchedStream`` (with what it needs on a CPU engine,
+``testing/upstream_cpu.py``), each side in its own worker process
+(``w6_worker.py``), sides alternating over the reps. Both sides use the same engine
+hook and edit; prefill and decode are the engine's time, reported for context.
+
+Targets: modify ≥ 5× faster than upstream's, and its peak RSS growth ≤ 0.3× upstream's.
+``--quick``: 4 streams × 512 tokens, one rep (a smoke run; its verdicts are indicative).
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import logging
+import os
+import random
+import secrets
+import statistics
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+logger = logging.getLogger("lmcache_kv_fast.testing.bench")
+
+__all__ = ["W6Sizes", "add_w6_args", "run_w6"]
+
+#: Targets of the issue: upstream modify time / ours, ours peak RSS growth / upstream's.
+SPEEDUP_TARGET = 5.0
+RSS_TARGET = 0.3
+CHUNK = 256
+
+
+@dataclass
+class W6Sizes:
+    """The run's sizes."""
+
+    streams: int = 16
+    prompt_tokens: int = 2048
+    decode_tokens: int = 16
+    reps: int = 2
+    drop_every: int = 10
+
+
+QUICK = W6Sizes(streams=4, prompt_tokens=512, decode_tokens=4, reps=1)
+
+
+def add_w6_args(ap: argparse.ArgumentParser) -> None:
+    """The W6 flags of ``bench``."""
+    g = ap.add_argument_group("W6: batched stream modify on a real engine (--w6)")
+    g.add_argument("--w6", action="store_true",
+                   help="run W6 only (starts a vLLM CPU engine unless --w6-vllm-url)")
+    g.add_argument("--w6-streams", type=int, help=f"request streams (default {W6Sizes.streams})")
+    g.add_argument("--w6-tokens", type=int,
+                   help=f"prompt tokens per stream (default {W6Sizes.prompt_tokens})")
+    g.add_argument("--w6-decode", type=int,
+                   help=f"decode tokens per stream (default {W6Sizes.decode_tokens})")
+    g.add_argument("--w6-reps", type=int, help=f"reps per side (default {W6Sizes.reps})")
+    g.add_argument("--w6-vllm-url", help="a running vLLM OpenAI server to use (with --url, "
+                   "--http-url of the LMCache server it writes into and --w6-model)")
+    g.add_argument("--w6-model", help="model name of --w6-vllm-url (default: the tiny Llama)")
+    g.add_argument("--w6-kernel", help="the engine's CPU attention kernel (default: this "
+                   "machine's choice for the model)")
+    g.add_argument("--w6-no-upstream", action="store_true", help="skip the upstream side")
+    g.add_argument("--w6-max-in-flight", type=int, help="this SDK's modify bound (default: the "
+                   "batched stream's)")
+    g.add_argument("--w6-torch-threads", type=int, default=1,
+                   help="torch intra-op threads of both workers (the edit and the layout "
+                        "conversions of 2 MiB tensors; OpenMP spin-waits on a busy box cost "
+                        "more than they gain); 0 = torch's default")
+
+
+def sizes_from(args: argparse.Namespace) -> W6Sizes:
+    """Sizes from the flags (``--quick`` defaults)."""
+    base = QUICK if getattr(args, "quick", False) else W6Sizes()
+    return W6Sizes(streams=args.w6_streams or base.streams,
+                   prompt_tokens=args.w6_tokens or base.prompt_tokens,
+                   decode_tokens=args.w6_decode or base.decode_tokens,
+                   reps=args.w6_reps or base.reps)
+
+
+@contextlib.contextmanager
+def _engine(args: argparse.Namespace, s: W6Sizes) -> Iterator[dict[str, Any]]:
+    """The LMCache server and the vLLM engine (started here unless given)."""
+    from lmcache_kv_fast.testing import LMCacheServer
+    from lmcache_kv_fast.testing.engine import OpenAIEngine
+    from lmcache_kv_fast.testing.tiny_model import ensure_tiny_model
+
+    with contextlib.ExitStack() as stack:
+        if args.w6_vllm_url:
+            if not (args.url and args.http_url and args.w6_model):
+                raise SystemExit("--w6-vllm-url needs --url, --http-url and --w6-model")
+            yield {"url": args.url, "http_url": args.http_url, "vllm_url": args.w6_vllm_url,
+                   "model": args.w6_model, "engine": None}
+            return
+        model = args.w6_model or str(ensure_tiny_model())
+        if args.url and args.http_url:
+            url, http_url = args.url, args.http_url
+            port = int(url.rsplit(":", 1)[1])
+        else:
+            l1 = max(1.0, 4 * s.reps * s.streams * s.prompt_tokens * 1024 / 2**30)
+            srv = stack.enter_context(LMCacheServer(shm=True, chunk_size=CHUNK, l1_size_gb=l1))
+            url, http_url, port = srv.url, srv.http_url, srv.port
+        max_len = max(2048, -(-(s.prompt_tokens + s.decode_tokens + 16) // 1024) * 1024)
+        eng = stack.enter_context(OpenAIEngine(model, port, max_model_len=max_len))
+        yield {"url": url, "http_url": http_url, "vllm_url": eng.url, "model": model,
+               "engine": eng}
+
+
+def _external_hits(vllm_url: str) -> float:
+    import requests
+
+    try:
+        text = requests.get(f"{vllm_url}/metrics", timeout=30).text
+    except requests.RequestException:
+        return float("nan")
+    total = 0.0
+    for line in text.splitlines():
+        if not line.startswith("#") and "external_prefix_cache_hits" in line:
+            with contextlib.suppress(ValueError):
+                total += float(line.rpartition(" ")[2])
+    return total
+
+
+def _worker(cfg: dict[str, Any], timeout: float = 1800.0) -> dict[str, Any]:
+    cmd = [sys.executable, "-m", "lmcache_kv_fast.testing.bench.w6_worker", "-"]
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    env.setdefault("LMCACHE_TRACK_USAGE", "false")
+    env.setdefault("DO_NOT_TRACK", "1")
+    proc = subprocess.run(cmd, input=json.dumps(cfg), capture_output=True, text=True,
+                          timeout=timeout, env=env)
+    for line in proc.stdout.splitlines():
+        if line.startswith("W6RESULT "):
+            return dict(json.loads(line[len("W6RESULT "):]))
+    raise RuntimeError(f"W6 {cfg['side']} worker failed (exit {proc.returncode}):\n"
+                       f"{proc.stderr[-4000:]}")
+
+
+def _prompts(s: W6Sizes, seed: int) -> list[list[int]]:
+    rng = random.Random(seed)
+    return [[rng.randrange(3, 1024) for _ in range(s.prompt_tokens)] for _ in range(s.streams)]
+
+
+def run_w6(args: argparse.Namespace) -> dict[str, Any]:
+    """Run W6; print the table and return the JSON document."""
+    from lmcache_kv_fast.layout import select_cpu_kernel
+
+    s = sizes_from(args)
+    sides = ["ours"] if args.w6_no_upstream else ["ours", "upstream"]
+    nonce = secrets.token_hex(3)
+    runs: list[dict[str, Any]] = []
+    t_start = time.time()
+    with _engine(args, s) as env:
+        kernel = args.w6_kernel or select_cpu_kernel("bfloat16", 128, 64)
+        for rep in range(s.reps):
+            order = sides if rep % 2 == 0 else sides[::-1]
+            for side in order:
+                seed = 1000 * rep + (1 if side == "ours" else 2)
+                cfg = {"side": side, "url": env["url"], "http_url": env["http_url"],
+                       "vllm_url": env["vllm_url"], "model": env["model"],
+                       "prompts": _prompts(s, seed), "salt": f"w6-{nonce}-{side}-{rep}",
+                       "max_tokens": s.decode_tokens, "drop_every": s.drop_every,
+                       "kernel": kernel, "torch_threads": args.w6_torch_threads,
+                       "max_in_flight": args.w6_max_in_flight}
+                before = _external_hits(env["vllm_url"])
+                res = _worker(cfg)
+                res["external_hits"] = _external_hits(env["vllm_url"]) - before
+                res["rep"] = rep
+                res.pop("tokens", None)
+                runs.append(res)
+                logger.info("W6 rep %d %s: modify %.3fs, +%.1f MiB", rep, side, res["modify_s"],
+                            res["modify_rss_growth"] / 2**20)
+    doc = summarize(s, runs)
+    doc["seconds"] = time.time() - t_start
+    print_w6(doc)
+    return doc
+
+
+def summarize(s: W6Sizes, runs: list[dict[str, Any]]) -> dict[str, Any]:
+    """Medians per side, ratios and verdicts."""
+    per: dict[str, dict[str, float]] = {}
+    for side in sorted({r["side"] for r in runs}):
+        mine = [r for r in runs if r["side"] == side]
+        per[side] = {k: statistics.median(r[k] for r in mine)
+                     for k in ("prefill_s", "modify_s", "decode_s", "modify_rss_growth",
+                               "modify_private_growth", "external_hits", "import_connect_s")}
+    doc: dict[str, Any] = {"workload": "W6", "sizes": asdict(s), "runs": runs, "sides": per}
+    if "ours" in per and "upstream" in per:
+        o, u = per["ours"], per["upstream"]
+        speed = u["modify_s"] / o["modify_s"] if o["modify_s"] > 0 else float("inf")
+        def ratio(key: str) -> float:
+            return o[key] / u[key] if u[key] > 0 else float("nan")
+
+        rss, priv = ratio("modify_rss_growth"), ratio("modify_private_growth")
+        doc["targets"] = {
+            "modify_speedup": {"value": speed, "target": SPEEDUP_TARGET,
+                               "met": speed >= SPEEDUP_TARGET},
+            # the process's private memory: what the SDK allocates
+            "modify_private_rss_ratio": {"value": priv, "target": RSS_TARGET,
+                                         "met": priv <= RSS_TARGET},
+            # all of its RSS, including the server's SHM pool pages it touched
+            "modify_rss_ratio": {"value": rss, "target": RSS_TARGET, "met": rss <= RSS_TARGET},
+        }
+    return doc
+
+
+def print_w6(doc: dict[str, Any]) -> None:
+    """The W6 table."""
+    s = doc["sizes"]
+    print(f"\nW6 — batched stream on a real vLLM CPU engine: {s['streams']} streams x "
+          f"{s['prompt_tokens']} prompt tokens, drop every {s['drop_every']}th token, "
+          f"decode {s['decode_tokens']} tokens; medians of {s['reps']} rep(s) per side")
+    print(f"{'side':<10}{'prefill s':>11}{'modify s':>11}{'+RSS MiB':>10}{'+private MiB':>14}"
+          f"{'decode s':>11}{'ext. hits':>11}")
+    for side, v in doc["sides"].items():
+        print(f"{side:<10}{v['prefill_s']:>11.3f}{v['modify_s']:>11.3f}"
+              f"{v['modify_rss_growth'] / 2**20:>10.1f}{v['modify_private_growth'] / 2**20:>14.1f}"
+              f"{v['decode_s']:>11.3f}{v['external_hits']:>11.0f}")
+    for name, t in (doc.get("targets") or {}).items():
+        op = ">=" if name == "modify_speedup" else "<="
+        print(f"  {name}: {t['value']:.2f} (target {op} {t['target']}) "
+              f"{'MET' if t['met'] else 'NOT MET'}")
+    print("  (prefill and decode are the engine's time; modify includes waiting for the engine's "
+          "store; +RSS is the modify phase's peak RSS growth, which includes the pages of the "
+          "server's SHM pool the worker touched — the same for both SDKs; +private is its "
+          "private part, RssAnon)")
+
+
+def write_json(doc: dict[str, Any], path: str | os.PathLike[str]) -> Path:
+    """Write the document."""
+    p = Path(path)
+    p.parent.mkdir(parents=True, exist_ok=True)
+    p.write_text(json.dumps(doc, indent=2))
+    return p

@@ -1,0 +1,166 @@
+"""W6 worker: one side's prefill → modify → decode on the real engine, in its own process.
+
+``python -m lmcache_kv_fast.testing.bench.w6_worker -`` (the JSON config on stdin) prints one line
+``W6RESULT {json}``. The side is ``ours`` (``lmcache_kv_fast.sdk``) or ``upstream``
+(``lmcache.sdk`` 0.5.6, run with what it needs on a CPU engine:
+:mod:`lmcache_kv_fast.testing.upstream_cpu`). Both use the same engine hook
+(``OpenAICompletions``) and the same edit (drop every n-th token), so the prefill and
+decode phases are the engine's time and the modify phase is the SDK's.
+
+The modify phase's memory is its peak RSS growth: the process's peak RSS (``VmHWM``,
+reset through ``/proc/self/clear_refs`` just before the phase, after a garbage
+collection) minus its RSS at that moment; a 2 ms sampler of ``VmRSS`` is the fallback
+where ``clear_refs`` cannot be written.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import gc
+import json
+import sys
+import threading
+import time
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+
+def _status_kib(field: str) -> int:
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith(field + ":"):
+                return int(line.split()[1])
+    return 0
+
+
+class PeakRss:
+    """Peak RSS growth of a block, in bytes: all of it and its private part.
+
+    ``growth``: peak RSS (``VmHWM``, reset through ``clear_refs``; sampled ``VmRSS`` where
+    that cannot be written) minus RSS at the start. It includes the pages of the
+    server's SHM pool the process touched (``RssShmem``: the server's memory, mapped by
+    both SDKs, not new memory of the machine). ``private``: peak of the private part
+    (``RssAnon``, sampled every millisecond) minus its start value.
+    """
+
+    def __init__(self) -> None:
+        self.growth = 0
+        self.private = 0
+        self.method = ""
+        self._stop = threading.Event()
+        self._peak = 0
+        self._peak_anon = 0
+
+    def __enter__(self) -> PeakRss:
+        gc.collect()
+        self.base = _status_kib("VmRSS")
+        self.base_anon = self._peak_anon = _status_kib("RssAnon")
+        self._peak = self.base
+        try:
+            with open("/proc/self/clear_refs", "w") as f:
+                f.write("5")
+            self.method = "VmHWM"
+        except OSError:
+            self.method = "sampled"
+        self._thread = threading.Thread(target=self._sample, daemon=True)
+        self._thread.start()
+        return self
+
+    def _sample(self) -> None:
+        while not self._stop.is_set():
+            self._peak_anon = max(self._peak_anon, _status_kib("RssAnon"))
+            if self.method == "sampled":
+                self._peak = max(self._peak, _status_kib("VmRSS"))
+            time.sleep(0.001)
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._thread.join()
+        self._peak_anon = max(self._peak_anon, _status_kib("RssAnon"))
+        peak = _status_kib("VmHWM") if self.method == "VmHWM" else \
+            max(self._peak, _status_kib("VmRSS"))
+        self.growth = max(0, peak - self.base) * 1024
+        self.private = max(0, self._peak_anon - self.base_anon) * 1024
+
+
+def drop_every(n: int, kv_kind: Any) -> Callable[..., Any]:
+    """The edit: drop every ``n``-th token's K/V and id."""
+
+    def fn(tensors: Any, tokens: list[int]) -> Any:
+        kv = tensors[kv_kind]
+        keep = [i for i in range(kv.shape[-2]) if i % n != n - 1]
+        return kv.index_select(kv.dim() - 2, torch.tensor(keep)), [tokens[i] for i in keep]
+
+    return fn
+
+
+def run(cfg: dict[str, Any]) -> dict[str, Any]:
+    """Run one side; return its timings, memory and outputs."""
+    from lmcache_kv_fast.sdk.hooks import OpenAICompletions
+
+    t0 = time.perf_counter()
+    stack = contextlib.ExitStack()
+    if cfg["side"] == "upstream":
+        import lmcache.sdk as sdk
+
+        from lmcache_kv_fast.testing.upstream_cpu import cpu_engine_kv, upstream_on_cpu_engine
+
+        stack.enter_context(upstream_on_cpu_engine(
+            cfg["url"], cfg["model"], cpu_engine_kv(cfg["model"], cfg["kernel"])))
+        batch_kw: dict[str, Any] = {}
+    else:
+        import lmcache_kv_fast.sdk as sdk  # type: ignore[no-redef]
+
+        batch_kw = {"progress": False}
+        if cfg.get("max_in_flight"):
+            batch_kw["max_in_flight"] = int(cfg["max_in_flight"])
+    with stack:
+        kind = sdk.LMCacheSDKCacheKind.KV
+        ctx = sdk.connect(kind, cfg["url"], cfg["http_url"], cfg["model"])
+        import_connect_s = time.perf_counter() - t0
+        try:
+            hook = OpenAICompletions(cfg["vllm_url"], cfg["model"])
+            batch = sdk.batch.LMCacheBatchedStream(**batch_kw)
+            streams = [sdk.request.create_request([ctx], hook, p, cache_salt=cfg["salt"])
+                       for p in cfg["prompts"]]
+            for s in streams:
+                batch.add(s)
+            sp = {"temperature": 0.0, "ignore_eos": True}
+            t = time.perf_counter()
+            batch.prefill(sp)
+            prefill_s = time.perf_counter() - t
+            fn = drop_every(int(cfg["drop_every"]), kind)
+            with PeakRss() as rss:
+                t = time.perf_counter()
+                report = batch.modify(fn)
+                modify_s = time.perf_counter() - t
+            t = time.perf_counter()
+            batch.decode({**sp, "max_tokens": int(cfg["max_tokens"])})
+            decode_s = time.perf_counter() - t
+            return {
+                "side": cfg["side"], "streams": len(streams),
+                "prompt_tokens": sum(len(p) for p in cfg["prompts"]),
+                "import_connect_s": import_connect_s, "prefill_s": prefill_s,
+                "modify_s": modify_s, "decode_s": decode_s,
+                "modify_rss_growth": rss.growth, "modify_private_growth": rss.private,
+                "rss_method": rss.method,
+                "tokens": [list(s.tokens) for s in streams],
+                "modify_report": report.to_dict(),
+            }
+        finally:
+            ctx.close()
+
+
+def main() -> None:
+    """Run the side configured on stdin (``-``) or in ``argv[1]`` (JSON); print its result."""
+    cfg = json.loads(sys.stdin.read() if sys.argv[1] == "-" else sys.argv[1])
+    torch.set_num_threads(int(cfg.get("torch_threads") or torch.get_num_threads()))
+    res = run(cfg)
+    sys.stdout.write("W6RESULT " + json.dumps(res) + "\n")
+    sys.stdout.flush()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,83 @@
+"""The transformers oracle: K/V and next-token logprobs computed by ``transformers``.
+
+It runs the same weights as the engine in an engine-venv child
+(``engine_side/oracle_driver.py``).
+
+K/V use the SDK's documented per-token form ``[2, L, T, NH*HS]`` (float32; K after the
+rotary embedding), the same form ``lmcache_kv_fast.layout.cpu_engine`` converts a CPU
+engine's raw rows to.
+"""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from lmcache_kv_fast.testing.engine_proc import EngineChild
+
+
+class TransformersOracle:
+    """``AutoModelForCausalLM`` on the model directory, in float32 by default.
+
+    Args:
+        model: Model directory.
+        dtype: Compute dtype name (the weights are bf16; float32 keeps the oracle's own
+            rounding far below bf16's).
+    """
+
+    def __init__(self, model: str | Path, *, dtype: str = "float32",
+                 start_timeout: float = 300.0) -> None:
+        self._child = EngineChild("oracle_driver.py", {"model": str(model), "dtype": dtype},
+                                  name="hf-oracle", start_timeout=start_timeout)
+        self.info: dict[str, Any] = {}
+
+    def start(self) -> TransformersOracle:
+        """Load the model in the child."""
+        self._child.start()
+        self.info = dict(self._child.ready_info or {})
+        return self
+
+    def stop(self) -> None:
+        """Stop the child (idempotent)."""
+        self._child.stop()
+
+    def __enter__(self) -> TransformersOracle:
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+    def kv(self, tokens: list[int]) -> torch.Tensor:
+        """K/V of ``tokens`` from one forward pass: ``[2, L, T, NH*HS]`` float32."""
+        path = self._child.tmp_path(f"kv-{time.monotonic_ns()}.pt")
+        self._child.call("kv", tokens=[int(t) for t in tokens], path=str(path))
+        try:
+            return torch.load(path)
+        finally:
+            path.unlink(missing_ok=True)
+
+    def next_logprobs(self, tokens: list[int], past_kv: torch.Tensor | None = None,
+                      start_pos: int | None = None) -> torch.Tensor:
+        """Log-softmax of the logits after ``tokens`` (float32 ``[V]``).
+
+        Args:
+            tokens: Tokens fed in this forward pass.
+            past_kv: Optional ``[2, L, P, NH*HS]`` used as past key values as is (K already
+                rotated at whatever positions it was computed for).
+            start_pos: Position of ``tokens[0]`` (default P).
+        """
+        past_path = None
+        if past_kv is not None:
+            past_path = self._child.tmp_path(f"past-{time.monotonic_ns()}.pt")
+            torch.save(past_kv.contiguous(), past_path)
+        try:
+            vec = self._child.call("next_logprobs", tokens=[int(t) for t in tokens],
+                                   past_path=None if past_path is None else str(past_path),
+                                   start_pos=start_pos)
+        finally:
+            if past_path is not None:
+                past_path.unlink(missing_ok=True)
+        return torch.tensor(vec, dtype=torch.float32)

@@ -1,0 +1,107 @@
+"""Query tensors on a real LMCache server, produced the way a query-capturing engine does.
+
+The vLLM in the engine venv cannot export query tensors (upstream needs a vLLM patch,
+``examples/token_dropping/vllm-export-intermediate-tensors.diff``), so
+:class:`QueryExporter` runs LMCache's own server-facing classes in a child process
+(``engine_side/query_exporter.py``): an lmcache-driven transfer context registers a
+paged KV cache and a paged query ring for the model, and stores query tensors with
+``store_q`` (and KV with ``store``), exactly as LMCache's vLLM adapter does. The server
+must run with ``--enable transfer_query --supported-transfer-mode auto``
+(:data:`QUERY_SERVER_ARGS`).
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from lmcache_kv_fast.testing.engine_proc import EngineChild
+
+__all__ = ["QUERY_SERVER_ARGS", "QueryExporter"]
+
+#: Extra server flags for the query module (``LMCacheServer(extra_args=...)``; the
+#: server fixture already passes ``--supported-transfer-mode auto``).
+QUERY_SERVER_ARGS = ("--enable", "transfer_query")
+
+
+class QueryExporter:
+    """A child process that registers a model's KV cache and query ring and stores into them.
+
+    Args:
+        url: ZMQ URL of the server.
+        model: Model name (queries go to ``model##query``).
+        num_layers: Layers.
+        num_kv_heads: KV heads (the KV cache's geometry).
+        head_size: Head size.
+        num_q_heads: Query heads (the query width is ``num_q_heads * head_size``).
+        chunk_size: The server's chunk size.
+        dtype: Dtype name.
+        block_size: Tokens per block (of the KV cache and the ring).
+        num_blocks: Blocks of the ring and of the KV cache (enough for the longest store).
+        kv_layout: ``"NHD"`` (two planes) or ``"MLA"`` (one plane of
+            ``num_kv_heads * head_size``, the shape a CPU engine's rows have).
+        python: Interpreter with ``lmcache`` (default: this one).
+    """
+
+    def __init__(self, url: str, model: str, *, num_layers: int, num_kv_heads: int,
+                 head_size: int, num_q_heads: int, chunk_size: int, dtype: str = "bfloat16",
+                 block_size: int = 128, num_blocks: int = 16, kv_layout: str = "NHD",
+                 python: str | Path | None = None, timeout: float = 30.0) -> None:
+        self.model = model
+        self.num_layers, self.num_q_heads, self.head_size = num_layers, num_q_heads, head_size
+        self.dtype = getattr(torch, dtype)
+        self._child = EngineChild("query_exporter.py", {
+            "url": url, "model": model, "num_layers": num_layers, "num_kv_heads": num_kv_heads,
+            "head_size": head_size, "num_q_heads": num_q_heads, "chunk_size": chunk_size,
+            "dtype": dtype, "block_size": block_size, "num_blocks": num_blocks,
+            "kv_layout": kv_layout, "timeout": timeout,
+        }, name="query-exporter", python=python or sys.executable, start_timeout=120.0)
+        self.instance_id = 0
+
+    @property
+    def query_width(self) -> int:
+        """``num_q_heads * head_size``."""
+        return self.num_q_heads * self.head_size
+
+    def start(self) -> QueryExporter:
+        """Start the child; it registers the KV cache and the query ring."""
+        self._child.start()
+        self.instance_id = int((self._child.ready_info or {}).get("instance_id", 0))
+        return self
+
+    def stop(self) -> None:
+        """Unregister and stop the child (idempotent)."""
+        self._child.stop()
+
+    def __enter__(self) -> QueryExporter:
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+    def random_query(self, tokens: int, seed: int) -> torch.Tensor:
+        """A ``[L, tokens, HQ·HS]`` query tensor of the model's dtype."""
+        g = torch.Generator().manual_seed(seed)
+        return torch.randn(self.num_layers, tokens, self.query_width, generator=g).to(self.dtype)
+
+    def _send(self, op: str, tokens: Sequence[int], t: torch.Tensor, salt: str) -> bool:
+        path = self._child.tmp_path(f"{op}-{time.monotonic_ns()}.pt")
+        torch.save(t.contiguous(), path)
+        try:
+            return bool(self._child.call(op, 120.0, tokens=[int(x) for x in tokens],
+                                         path=str(path), cache_salt=salt))
+        finally:
+            path.unlink(missing_ok=True)
+
+    def store_query(self, tokens: Sequence[int], q: torch.Tensor, cache_salt: str = "") -> bool:
+        """Store ``q`` (``[L, T, HQ·HS]``, T a multiple of the chunk size) for ``tokens``."""
+        return self._send("store_query", tokens, q, cache_salt)
+
+    def store_kv(self, tokens: Sequence[int], kv: Any, cache_salt: str = "") -> bool:
+        """Store KV (``[2, L, T, NH·HS]``, or ``[L, T, D]`` for MLA) for ``tokens``."""
+        return self._send("store_kv", tokens, kv, cache_salt)

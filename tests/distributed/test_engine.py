@@ -1,0 +1,96 @@
+"""The per-actor item engine on a real server, in-process (no Ray cluster needed)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from conftest import make_model, rand_tokens
+from fleet_helpers import drop_every_4th, whole
+
+from lmcache_kv_fast import batch, connect
+
+pytest.importorskip("ray", reason="lmcache_kv_fast.distributed needs Ray")
+
+from lmcache_kv_fast.distributed._engine import ItemEngine
+
+pytestmark = pytest.mark.distributed
+
+
+@pytest.fixture
+def setup(server_shm):
+    m = make_model(server_shm, num_layers=2, num_kv_heads=2, head_size=64)
+    ctx = connect(server_shm.url, server_shm.http_url, m.name, timeout=20.0)
+    eng = ItemEngine(ctx, max_in_flight=2)
+    yield m, ctx, eng
+    eng.close()
+    ctx.close()
+
+
+def _seed(m, ctx, n: int, seed: int):
+    c = ctx.chunk_size
+    seqs = [rand_tokens(2 * c + 3, seed=seed + k) for k in range(n)]
+    kvs = [m.kv(len(t), seed=seed + k) for k, t in enumerate(seqs)]
+    for kv, t in zip(kvs, seqs):
+        assert ctx.store(kv, t)
+    return seqs, kvs
+
+
+def test_engine_matches_batch_rewrite_and_reports_like_it(setup):
+    m, ctx, eng = setup
+    seqs, _ = _seed(m, ctx, 4, 100)
+    seqs2 = [list(t) for t in seqs]
+    outs = eng.run("rewrite", list(enumerate([*seqs, rand_tokens(40, seed=1), [1, -5]])),
+                   fn=drop_every_4th)
+    assert [o.status for o in outs] == ["ok"] * 4 + ["missed", "failed"]
+    assert outs[4].stage == "retrieve" and outs[5].stage == "retrieve"
+    ref = m.server  # a second model with the same data, rewritten by batch.rewrite
+    m2 = make_model(ref, num_layers=2, num_kv_heads=2, head_size=64)
+    with connect(ref.url, ref.http_url, m2.name, timeout=20.0) as ctx2:
+        for k, t in enumerate(seqs2):
+            assert ctx2.store(m.kv(len(t), seed=100 + k), t)
+        rep = batch.rewrite(ctx2, seqs2, drop_every_4th, progress=False)
+        assert rep.tokens_moved == sum(o.tokens for o in outs)
+        assert rep.bytes_moved == sum(o.nbytes for o in outs)
+        c = ctx.chunk_size
+        for t in seqs:
+            new = whole(drop_every_4th(torch.zeros(1, len(t), 1), t)[1], c)
+            assert torch.equal(ctx.retrieve(new), ctx2.retrieve(new))
+    assert eng.lookup_many([seqs[0], rand_tokens(600, seed=3)]) == [2 * ctx.chunk_size, 0]
+
+
+def test_retry_verification_refuses_to_mix_results(setup):
+    m, ctx, eng = setup
+    c = ctx.chunk_size
+    seqs, kvs = _seed(m, ctx, 2, 200)
+    # seqs[0]: an earlier attempt stored the same result -> the retry verifies and succeeds
+    new_kv, new = drop_every_4th(kvs[0][..., : 2 * c, :], seqs[0][: 2 * c])
+    assert ctx.store(new_kv[..., :c, :], new[:c])
+    # seqs[1]: an earlier attempt stored *another* result for the first output chunk
+    _, new1 = drop_every_4th(kvs[1][..., : 2 * c, :], seqs[1][: 2 * c])
+    assert ctx.store(m.kv(c, seed=999), new1[:c])
+    outs = eng.run("rewrite", [(0, seqs[0]), (1, seqs[1])], fn=drop_every_4th, verify=True)
+    assert outs[0].status == "ok" and outs[0].stages["verify"] > 0
+    assert (outs[1].status, outs[1].stage) == ("failed", "verify")
+    assert "conflict" in outs[1].reason and "nothing of this attempt was stored" in outs[1].reason
+    # nothing was added to the mixed output; the first chunk kept the earlier content
+    assert ctx.lookup(new1) == c
+
+
+def test_store_and_retrieve_items_and_hashes(setup):
+    m, ctx, eng = setup
+    c = ctx.chunk_size
+    toks = rand_tokens(2 * c, seed=300)
+    kv = m.kv(2 * c, seed=300)
+    [o] = eng.run("store", [(7, (kv, toks))], want_hashes=True)
+    assert (o.index, o.status, o.tokens) == (7, "ok", 2 * c)
+    from lmcache_kv_fast.hashing import chunk_hashes
+
+    assert o.hashes == chunk_hashes(toks, c)
+    [r, miss] = eng.run("retrieve", [(0, toks), (1, rand_tokens(c, seed=301))])
+    assert torch.equal(r.value, kv) and miss.status == "missed" and miss.value is None
+    [bad] = eng.run("store", [(0, "not a pair")])
+    assert bad.status == "failed" and bad.stage == "store"
+    with pytest.raises(ValueError, match="op must be"):
+        eng.submit("drop", 0, toks)
+    with pytest.raises(ValueError, match="callable"):
+        eng.submit("rewrite", 0, toks)

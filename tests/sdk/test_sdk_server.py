@@ -1,0 +1,281 @@
+"""lmcache_kv_fast.sdk against a real LMCache 0.5.6 server, with upstream's lmcache.sdk as oracle.
+
+One server with the query module (``--enable transfer_query``); query tensors are
+produced through LMCache's own server-facing classes (``QueryExporter``), the way a
+query-capturing engine stores them. Streams here get their first cache from
+``stream.update`` (the SDK's own store), so the modify pipeline runs without an engine;
+the engine workflow is tests/sdk/test_sdk_engine.py.
+"""
+
+from __future__ import annotations
+
+import threading
+import weakref
+from collections.abc import Iterator
+
+import pytest
+import torch
+from conftest import rand_tokens, unique_model_name
+
+import lmcache_kv_fast.sdk as lmc_sdk
+from lmcache_kv_fast.errors import InvalidArgumentError, LMCacheSDKError
+from lmcache_kv_fast.sdk.qlayout import QueryLayoutError
+from lmcache_kv_fast.testing import LMCacheServer, register_vllm_layout
+from lmcache_kv_fast.testing.query_export import QUERY_SERVER_ARGS, QueryExporter
+
+from .ipc_proxy import IpcForwarder
+
+upstream = pytest.importorskip("lmcache.sdk")
+KV, QUERY = lmc_sdk.LMCacheSDKCacheKind.KV, lmc_sdk.LMCacheSDKCacheKind.QUERY
+CHUNK = 256
+L, NH, HS, HQ = 2, 2, 64, 4
+
+
+@pytest.fixture(scope="module")
+def qserver() -> Iterator[LMCacheServer]:
+    """A real server with the query module, SHM plane, chunk 256."""
+    srv = LMCacheServer(shm=True, chunk_size=CHUNK, l1_size_gb=0.5,
+                        extra_args=list(QUERY_SERVER_ARGS))
+    try:
+        srv.start()
+        yield srv
+    finally:
+        srv.stop()
+
+
+@pytest.fixture(scope="module")
+def exporter(qserver) -> Iterator[QueryExporter]:
+    """Model 'qmodel': an NHD KV cache (2 heads of 64) and a query ring of 4 heads of 64."""
+    with QueryExporter(qserver.url, "qmodel", num_layers=L, num_kv_heads=NH, head_size=HS,
+                       num_q_heads=HQ, chunk_size=CHUNK) as exp:
+        yield exp
+
+
+def bits(t: torch.Tensor) -> torch.Tensor:
+    return t.contiguous().view(torch.int16)
+
+
+def kv_rand(shape, seed):
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(*shape, generator=g).to(torch.bfloat16)
+
+
+# ---------------------------------------------------------------------- KV contexts
+def test_connect_by_kind_and_context_members(qserver):
+    name = unique_model_name("sdk")
+    register_vllm_layout(qserver.url, name, num_layers=L, num_kv_heads=NH, head_size=HS,
+                         block_size=128)
+    for kind in (KV, "kv"):
+        with lmc_sdk.connect(kind, qserver.url.removeprefix("tcp://"), qserver.http_url,
+                             name, timeout=30) as ctx:
+            assert ctx.kind is KV and ctx.chunk_size == CHUNK and ctx.mq_timeout == 30
+            ctx.register_caches()  # 0.5.6 programs call it after building the context
+            assert str(ctx.instance_id) in qserver.status()["non_cuda_context_meta"]
+            assert ctx.tensor_shape(512) == (2, L, 512, NH * HS)
+        assert str(ctx.instance_id) not in qserver.status()["non_cuda_context_meta"]
+        ctx.close()  # idempotent
+        with pytest.raises(LMCacheSDKError, match="closed"):
+            ctx.register_caches()
+
+
+@pytest.mark.parametrize("mla", [False, True])
+def test_kv_interop_with_upstream_both_ways(qserver, mla):
+    name = unique_model_name("sdk-kv")
+    register_vllm_layout(qserver.url, name, num_layers=L, num_kv_heads=1 if mla else NH,
+                         head_size=256 if mla else HS, block_size=128,
+                         layout="MLA" if mla else "NHD")
+    shape = (L, 600, 256) if mla else (2, L, 600, NH * HS)
+    ours = lmc_sdk.kvcache.connect(qserver.url, qserver.http_url, name)
+    theirs = upstream.kvcache.connect(qserver.url, qserver.http_url, name)
+    try:
+        a, b = rand_tokens(600, 1), rand_tokens(600, 2)
+        kv = kv_rand(shape, 3)
+        assert ours.store(kv, a)
+        got_t = theirs.retrieve(a)
+        got_o = ours.retrieve(a)
+        # same shape as 0.5.6 returns, for two-plane and one-plane KV ([L, T, D])
+        assert got_o.shape == got_t.shape == kv[..., :512, :].shape
+        assert torch.equal(bits(got_o), bits(got_t))
+        assert torch.equal(bits(got_o), bits(kv[..., :512, :]))
+        if not mla:  # 0.5.6 cannot store one-plane KV at all (shape checks fail)
+            assert theirs.store(kv_rand(shape, 4), b)
+            assert torch.equal(bits(ours.retrieve(b)), bits(kv_rand(shape, 4)[..., :512, :]))
+        else:
+            with pytest.raises(Exception):  # noqa: B017 - upstream's own error types
+                theirs.store(kv_rand(shape, 4).unsqueeze(0), b)
+    finally:
+        ours.close()
+        theirs.close()
+
+
+def test_ipc_and_bare_host_port_urls(qserver):
+    name = unique_model_name("sdk-ipc")
+    register_vllm_layout(qserver.url, name, num_layers=L, num_kv_heads=NH, head_size=HS,
+                         block_size=128)
+    toks, kv = rand_tokens(512, 5), kv_rand((2, L, 512, NH * HS), 5)
+    with IpcForwarder(qserver.url) as fwd:
+        with lmc_sdk.connect(KV, fwd.url, qserver.http_url, name, timeout=30) as ctx:
+            assert ctx.store(kv, toks)
+            assert torch.equal(bits(ctx.retrieve(toks)), bits(kv))
+        assert fwd.forwarded > 5  # the calls really went through the ipc:// endpoint
+    with lmc_sdk.connect(KV, qserver.url.removeprefix("tcp://"), qserver.http_url,
+                         name) as ctx:
+        assert torch.equal(bits(ctx.retrieve(toks)), bits(kv))
+    with pytest.raises(InvalidArgumentError, match="--transport grpc"):
+        lmc_sdk.connect(KV, "grpc://127.0.0.1:1", qserver.http_url, name)
+
+
+# ---------------------------------------------------------------------- query tensors
+def test_query_read_geometry_from_query_registration(qserver, exporter):
+    toks = rand_tokens(600, 10)
+    q = exporter.random_query(512, 10)
+    assert exporter.store_query(toks, q)
+    ours = lmc_sdk.connect(QUERY, qserver.url, qserver.http_url, "qmodel")
+    theirs = upstream.qcache.connect(qserver.url, qserver.http_url, "qmodel")
+    try:
+        assert ours.kind is QUERY and ours.server_model_name == "qmodel##query"
+        # the query ring's geometry (4 heads of 64), not the KV registration's (heads of 64)
+        assert ours.layout.planes == 1 and ours.layout.hidden_size == HQ * HS
+        got = ours.retrieve(toks)
+        assert got.shape == (1, L, 512, HQ * HS) == ours.tensor_shape(512)
+        assert torch.equal(bits(got[0]), bits(q))
+        up = theirs.retrieve(toks)
+        assert up.shape == got.shape and torch.equal(bits(up), bits(got))
+        # ours stores (both shapes), upstream reads it bit-exact
+        t2, q2 = rand_tokens(512, 11), exporter.random_query(512, 11)
+        assert ours.store(q2.unsqueeze(0), t2)
+        assert torch.equal(bits(theirs.retrieve(t2).reshape(q2.shape)), bits(q2))
+        t3, q3 = rand_tokens(512, 12), exporter.random_query(512, 12)
+        assert ours.store(q3, t3)
+        assert torch.equal(bits(ours.retrieve(t3)[0]), bits(q3))
+        # upstream 0.5.6 registered the KV head width (64) for queries: it cannot store them
+        t4 = rand_tokens(512, 13)
+        with pytest.raises(RuntimeError):
+            theirs.store(exporter.random_query(512, 13).unsqueeze(0), t4)
+        assert ours.retrieve(t4) is None
+        with pytest.raises(InvalidArgumentError):
+            ours.store(torch.zeros(1, L, 512, HS, dtype=torch.bfloat16), t4)
+        # salts isolate queries like KV
+        ts = rand_tokens(512, 14)
+        assert exporter.store_query(ts, exporter.random_query(512, 14), cache_salt="tenant")
+        assert ours.retrieve(ts) is None and ours.retrieve(ts, cache_salt="tenant") is not None
+    finally:
+        ours.close()
+        theirs.close()
+    # the exporter's registration is untouched by the SDK contexts coming and going
+    assert exporter.store_query(rand_tokens(512, 15), exporter.random_query(512, 15))
+
+
+def test_query_errors_name_what_is_missing(qserver, server_shm, exporter):
+    with pytest.raises(QueryLayoutError, match="--enable transfer_query"):
+        lmc_sdk.qcache.connect(server_shm.url, server_shm.http_url, "qmodel")
+    with pytest.raises(QueryLayoutError, match=r"query registrations: \['qmodel##query'\]"):
+        lmc_sdk.qcache.connect(qserver.url, qserver.http_url, "other-model")
+
+
+# ---------------------------------------------------------------------- modify without engine
+def drop_every_10th(tensors, tokens):
+    kv = tensors[KV]
+    keep = [i for i in range(kv.shape[-2]) if i % 10 != 9]
+    idx = torch.tensor(keep)
+    return kv.index_select(kv.dim() - 2, idx), [tokens[i] for i in keep]
+
+
+def _streams(ctxs, n, length, seed, salt=""):
+    out = []
+    for i in range(n):
+        s = lmc_sdk.request.create_request(ctxs, lambda *a: iter(()), rand_tokens(length, seed + i),
+                                           cache_salt=salt)
+        kv = kv_rand((2, L, length, NH * HS), seed + i)
+        s.update(KV, kv, s.tokens)
+        out.append((s, kv))
+    return out
+
+
+def test_batch_modify_bounded_every_error_reported(qserver, exporter):
+    ctx = lmc_sdk.kvcache.connect(qserver.url, qserver.http_url, "qmodel")
+    try:
+        made = _streams([ctx], 7, 3 * CHUNK + 40, 100, salt="mod")
+        b = lmc_sdk.batch.LMCacheBatchedStream(max_in_flight=2)
+        for s, _ in made:
+            b.add(s)
+        alive: weakref.WeakSet[torch.Tensor] = weakref.WeakSet()
+        peak = [0]
+        lock = threading.Lock()
+        bad = {made[2][0].tokens[0], made[5][0].tokens[0]}
+
+        def fn(tensors, tokens):
+            with lock:
+                alive.add(tensors[KV])
+                peak[0] = max(peak[0], len(alive))
+            if tokens[0] in bad:
+                raise ValueError("this edit does not apply")
+            return drop_every_10th(tensors, tokens)
+
+        before = {s.request_stream_id: (list(s.tokens), list(s.suffix_tokens)) for s, _ in made}
+        with pytest.raises(lmc_sdk.batch.LMCacheBatchedStreamError) as ei:
+            b.modify(fn)
+        err = ei.value
+        assert set(err.errors) == {made[2][0].request_stream_id, made[5][0].request_stream_id}
+        assert all("this edit does not apply" in r for r in err.errors.values())
+        rep = err.metrics.to_dict()
+        assert rep["title"] == "Batched Stream Modify Metrics"
+        assert rep["metrics"]["results"]["streams_modified"] == 5
+        assert rep["metrics"]["results"]["streams_failed"] == 2
+        assert rep["metrics"]["results"]["peak_in_flight"] <= 2
+        assert peak[0] <= 3
+        for i, (s, kv) in enumerate(made):
+            if i in (2, 5):  # failed: unchanged
+                assert (s.tokens, s.suffix_tokens) == before[s.request_stream_id]
+                continue
+            old = before[s.request_stream_id][0]
+            assert s.suffix_tokens == old[3 * CHUNK:]
+            keep = [j for j in range(3 * CHUNK) if j % 10 != 9]
+            assert s.tokens == [old[j] for j in keep]
+            got = ctx.retrieve(s.tokens, cache_salt="mod")
+            assert got.shape[-2] == len(keep) // CHUNK * CHUNK
+            assert torch.equal(bits(got), bits(kv[:, :, keep][:, :, : got.shape[-2]]))
+    finally:
+        ctx.close()
+
+
+def test_modify_gets_query_tensors_too(qserver, exporter):
+    kctx = lmc_sdk.kvcache.connect(qserver.url, qserver.http_url, "qmodel")
+    qctx = lmc_sdk.qcache.connect(qserver.url, qserver.http_url, "qmodel")
+    try:
+        (s, kv), = _streams([kctx, qctx], 1, 2 * CHUNK, 300)
+        q = exporter.random_query(2 * CHUNK, 300)
+        assert exporter.store_query(s.tokens, q)
+        seen = {}
+
+        def fn(tensors, tokens):
+            seen.update(tensors)
+            return tensors[KV], tokens
+
+        b = lmc_sdk.batch.LMCacheBatchedStream()
+        b.add(s)
+        b.modify(fn)
+        assert set(seen) == {KV, QUERY}
+        assert torch.equal(bits(seen[QUERY][0]), bits(q))
+        assert torch.equal(bits(seen[KV]), bits(kv))
+    finally:
+        kctx.close()
+        qctx.close()
+
+
+def test_modify_waits_then_reports_a_missing_cache(qserver, exporter):
+    ctx = lmc_sdk.kvcache.connect(qserver.url, qserver.http_url, "qmodel")
+    try:
+        s = lmc_sdk.request.create_request([ctx], lambda *a: iter(()), rand_tokens(600, 400))
+        b = lmc_sdk.batch.LMCacheBatchedStream()
+        b.add(s)
+        with pytest.raises(lmc_sdk.batch.LMCacheBatchedStreamError, match="run prefill"):
+            b.modify(drop_every_10th, timeout=0.2)
+        s._stored_upto = 600  # as if an engine had been sent the prompt, and stored nothing
+        with pytest.raises(lmc_sdk.batch.LMCacheBatchedStreamError,
+                           match="no cached kv for stream") as ei:
+            b.modify(drop_every_10th, timeout=0.3, poll_interval=0.05)
+        assert ei.value.metrics.to_dict()["metrics"]["stages"]["lookups"] >= 3
+        assert len(s.tokens) == 600 and s.suffix_tokens == []
+    finally:
+        ctx.close()

@@ -1,0 +1,97 @@
+"""The native strided (permutation) copy: equal to torch's copy_ for random views, and every
+out-of-range, overlapping or malformed request refused before a byte moves."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from lmcache_kv_fast.copy.select import backend
+from lmcache_kv_fast.copy.strided import copy_view
+
+native = pytest.importorskip("lmcache_kv_fast._native")
+pytestmark = pytest.mark.skipif(backend().NAME != "native", reason="native backend only")
+
+DTYPES = [torch.uint8, torch.bfloat16, torch.float16, torch.float32, torch.float64]
+
+
+def _rand(shape, dtype, g):
+    if dtype == torch.uint8:
+        return torch.randint(0, 256, shape, generator=g, dtype=torch.uint8)
+    return torch.randn(shape, generator=g).to(dtype)
+
+
+@pytest.mark.parametrize("seed", range(40))
+def test_random_permutations_equal_torch(seed):
+    rng = random.Random(seed)
+    g = torch.Generator().manual_seed(seed)
+    dtype = DTYPES[seed % len(DTYPES)]
+    nd = rng.randint(1, 6)
+    shape = [rng.choice([1, 2, 3, 8, 16, 32, 48, 64]) for _ in range(nd)]
+    src_base = _rand([s + rng.randint(0, 2) for s in shape], dtype, g)
+    src = src_base[tuple(slice(0, s) for s in shape)]  # a slice: strided, offset
+    perm = list(range(nd))
+    rng.shuffle(perm)
+    dst_base = torch.zeros([shape[p] for p in perm], dtype=dtype)
+    dst = dst_base.permute(*[perm.index(i) for i in range(nd)])  # same shape as src
+    if rng.random() < 0.5:
+        src = src.permute(*perm).contiguous().permute(*[perm.index(i) for i in range(nd)])
+    want = torch.zeros_like(dst_base)
+    want.permute(*[perm.index(i) for i in range(nd)]).copy_(src)
+    copy_view(dst, src)
+    assert torch.equal(dst_base, want)
+
+
+@pytest.mark.parametrize("kernel", ["vec", "amx"])
+def test_engine_layouts_equal_torch(kernel, monkeypatch):
+    """CPU engine planes (transposes with power-of-two pitches), both ways, native vs torch."""
+    import lmcache_kv_fast.copy.strided as strided
+    from lmcache_kv_fast.layout.cpu_engine import CpuEngineKV
+
+    for dtype in (torch.bfloat16, torch.float32) if kernel == "vec" else (torch.bfloat16,):
+        spec = CpuEngineKV(3, 4, 128, dtype, 128, kernel)
+        kv = torch.randn(2, 3, 512, 512).to(dtype)
+        raw = spec.to_raw(kv)
+        back = spec.to_tokens(raw)
+        with monkeypatch.context() as m:
+            m.setattr(strided, "copy_view", lambda d, s: d.copy_(s))
+            assert torch.equal(spec.to_raw(kv), raw)
+            assert torch.equal(spec.to_tokens(raw), back)
+        assert torch.equal(back, kv)
+
+
+def _call(dst, src, *, sizes, dstr, sstr, doff=0, soff=0, dn=None, sn=None, isz=None):
+    dn = dst.numel() * dst.element_size() if dn is None else dn
+    sn = src.numel() * src.element_size() if sn is None else sn
+    native.strided_copy(dst.data_ptr(), dn, doff, src.data_ptr(), sn, soff,
+                        dst.element_size() if isz is None else isz, sizes, dstr, sstr)
+
+
+def test_refusals():
+    a = torch.zeros(64, dtype=torch.float32)
+    b = torch.arange(64, dtype=torch.float32)
+    _call(a, b, sizes=[8, 8], dstr=[1, 8], sstr=[8, 1])  # a transpose: fine
+    assert torch.equal(a.view(8, 8), b.view(8, 8).t())
+    with pytest.raises(ValueError, match="destination view reaches"):
+        _call(a, b, sizes=[8, 9], dstr=[8, 1], sstr=[1, 1])
+    with pytest.raises(ValueError, match="source view reaches"):
+        _call(a, b, sizes=[8, 8], dstr=[8, 1], sstr=[8, 1], soff=1)
+    with pytest.raises(ValueError, match="destination view reaches"):
+        _call(a, b, sizes=[4], dstr=[1], sstr=[1], dn=12)  # buffer smaller than the view
+    with pytest.raises(ValueError, match="overlaps the source"):
+        _call(a, a, sizes=[4], dstr=[1], sstr=[1])
+    with pytest.raises(ValueError, match="overlaps itself"):
+        _call(a, b, sizes=[4, 4], dstr=[1, 2], sstr=[4, 1])
+    with pytest.raises(ValueError, match="negative"):
+        _call(a, b, sizes=[4], dstr=[-1], sstr=[1])
+    with pytest.raises(ValueError, match="differ in length"):
+        _call(a, b, sizes=[4, 2], dstr=[1], sstr=[1, 4])
+    with pytest.raises(ValueError, match="at most 16"):
+        _call(a, b, sizes=[1] * 17, dstr=[1] * 17, sstr=[1] * 17)
+    with pytest.raises(ValueError, match="overflows"):
+        _call(a, b, sizes=[2**40, 2**40], dstr=[1, 1], sstr=[1, 1])
+    with pytest.raises(ValueError, match="itemsize"):
+        _call(a, b, sizes=[4], dstr=[1], sstr=[1], isz=0)
+    _call(a, b, sizes=[0, 8], dstr=[1, 1], sstr=[1, 1])  # empty: nothing, no error
