@@ -48,12 +48,15 @@ from lmcache_kv_fast.batch_pools import OutputPool
 from lmcache_kv_fast.context import LMCacheKVCacheContext, normalize_tokens, usable_cores
 from lmcache_kv_fast.copy.select import backend
 from lmcache_kv_fast.edit_policy import EditPolicy, EditRunner
-from lmcache_kv_fast.errors import InvalidArgumentError
+from lmcache_kv_fast.errors import InvalidArgumentError, KVCacheSDKError
 
 logger = logging.getLogger("lmcache_kv_fast.batch")
 
 #: ``fetch(ctx, item)`` -> ``(kv | None, tokens of kv)``: what to edit for an item.
 FetchFn = Callable[[LMCacheKVCacheContext, Any], "tuple[torch.Tensor | None, Sequence[int]]"]
+#: ``store(res, new_kv, new_tokens, cache_salt)`` -> ``res.value``: stores an edit and
+#: accounts it into ``res`` (stages, tokens, bytes, status); raising fails the item.
+StoreFn = Callable[[ItemResult, torch.Tensor, Sequence[int], str], Any]
 DEFAULT_IO_WORKERS = 2
 REWRITE_DEFAULT_MAX_IN_FLIGHT = 2
 
@@ -127,10 +130,19 @@ class _Item:
     new_kv: torch.Tensor | None = None
     new_toks: Sequence[int] = ()
     taken: list[torch.Tensor] = field(default_factory=list)
+    fn: Callable[..., Any] | None = None  # per-item overrides (service mode)
+    salt: str | None = None
+    store: StoreFn | None = None
 
 
 class RewriteEngine:
     """Pipelined ``fetch -> fn -> store`` over items (see the module docstring).
+
+    Two ways to drive it: :meth:`results` / :meth:`run` over an iterable (one batch, as
+    ``batch.rewrite`` does), or, for items arriving over time from several callers (a
+    fleet actor's Ray calls), :meth:`open` once, :meth:`submit` per item (with its own
+    ``fn``, salt and store step if needed) and :meth:`close` at the end; the threads, the
+    retrieve buffers and the output pool then stay warm across calls.
 
     Args:
         ctx: Connected context.
@@ -138,7 +150,8 @@ class RewriteEngine:
             gets pooled output buffers (see ``batch.rewrite``).
         cache_salt: Salt for reads and writes.
         io_workers: Threads for retrieves and stores (default 2, at most ``max_in_flight``).
-        max_in_flight: Items alive at once (memory bound; default 2).
+        max_in_flight: Items alive at once (memory bound; default 2). With :meth:`submit`
+            the caller bounds the items it submits; this sizes the buffer pools.
         pool_outputs: Large op outputs of ``fn`` from the warm pool (None: environment,
             then on); see :mod:`lmcache_kv_fast.edit_policy`.
         edit_threads: torch intra-op threads of the edit thread (None: environment, then
@@ -169,25 +182,50 @@ class RewriteEngine:
         self.max_in_flight = max_in_flight
         self.io_workers = io_workers or min(max_in_flight, DEFAULT_IO_WORKERS)
         be = backend()
-        native = be.NAME == "native"
+        self._native = be.NAME == "native"
         self.policy = EditPolicy.resolve(pool_outputs, edit_threads, cores=usable_cores(),
-                                         caller_threads=torch.get_num_threads(), native=native)
+                                         caller_threads=torch.get_num_threads(),
+                                         native=self._native)
         self._alloc_result = be.alloc_result
         self.reuse_buffers = reuse_buffers
         self._fetch_fn = fetch
         self.progress, self.desc = progress, desc
-        self._out_pool: Any = None
+        self._out_pool: OutputPool | None = None
+        self._takes_alloc: dict[int, tuple[Callable[..., Any], bool]] = {}
+        self._pool_lock = threading.Lock()
         if accepts_alloc(fn):
-            self._out_pool = OutputPool(max_in_flight + 1,
-                                        self._alloc_result if native else None)
+            self._out_pool = self._new_out_pool()
         self._free: collections.deque[torch.Tensor] = collections.deque()
         self._free_lock = threading.Lock()
         self._stop = threading.Event()
         self._runner: EditRunner | None = None
         self._io: _Workers | None = None
         self._edit: _Workers | None = None
+        self._service = False
+        self._pending: set[cf.Future[ItemResult]] = set()
+        self._pending_lock = threading.Lock()
+        self.pooled_outputs = 0
 
     # ------------------------------------------------------------------ buffers
+    def _new_out_pool(self) -> OutputPool:
+        return OutputPool(self.max_in_flight + 1, self._alloc_result if self._native else None)
+
+    def _pool_for(self, fn: Callable[..., Any]) -> OutputPool | None:
+        """The output pool for an ``fn`` that takes ``alloc`` (None: it does not)."""
+        if fn is self.fn:
+            return self._out_pool
+        with self._pool_lock:
+            hit = self._takes_alloc.get(id(fn))
+            if hit is None or hit[0] is not fn:
+                if len(self._takes_alloc) > 16:
+                    self._takes_alloc.clear()
+                hit = self._takes_alloc[id(fn)] = (fn, accepts_alloc(fn))
+            if not hit[1]:
+                return None
+            if self._out_pool is None:
+                self._out_pool = self._new_out_pool()
+            return self._out_pool
+
     def _take(self, tokens: int) -> torch.Tensor | None:
         if not self.reuse_buffers or tokens <= 0:
             return None
@@ -220,11 +258,11 @@ class RewriteEngine:
         it.res.status, it.res.reason = "cancelled", "batch interrupted"
         self._finish(it)
 
-    def _default_fetch(self, it: _Item) -> tuple[torch.Tensor | None, Sequence[int]]:
+    def _default_fetch(self, it: _Item, salt: str) -> tuple[torch.Tensor | None, Sequence[int]]:
         toks = normalize_tokens(it.item)
         whole = len(toks) // self.ctx.chunk_size * self.ctx.chunk_size
         it.buf = self._take(whole)
-        kv = self.ctx.retrieve(toks, self.salt, out=it.buf)
+        kv = self.ctx.retrieve(toks, salt, out=it.buf)
         return kv, toks
 
     def _stage_fetch(self, it: _Item) -> None:
@@ -234,14 +272,14 @@ class RewriteEngine:
         t = time.perf_counter()
         try:
             if self._fetch_fn is None:
-                kv, toks = self._default_fetch(it)
+                kv, toks = self._default_fetch(it, self.salt if it.salt is None else it.salt)
             else:
                 kv, toks = self._fetch_fn(self.ctx, it.item)
         except Exception as err:
             item_failed(res, "retrieve", err)
             return self._finish(it)
         except BaseException as err:  # pragma: no cover - interrupt on an I/O thread
-            self._stop.set()
+            self._interrupted()
             return self._finish(it, err)
         res.stages["retrieve"] = time.perf_counter() - t
         if kv is None:
@@ -259,20 +297,22 @@ class RewriteEngine:
             return self._cancelled(it)
         res, runner = it.res, self._runner
         assert runner is not None
+        fn = self.fn if it.fn is None else it.fn
+        pool = self._pool_for(fn)
         t = time.perf_counter()
         try:
-            if self._out_pool is not None:
-                pool, taken, dt = self._out_pool, it.taken, self.ctx.dtype
+            if pool is not None:
+                taken, dt = it.taken, self.ctx.dtype
                 new_kv, new_toks = runner.call(
-                    self.fn, it.kv, it.toks,
+                    fn, it.kv, it.toks,
                     alloc=lambda shape, dtype=dt: pool.alloc(shape, dtype, taken))
             else:
-                new_kv, new_toks = runner.call(self.fn, it.kv, it.toks)
+                new_kv, new_toks = runner.call(fn, it.kv, it.toks)
         except Exception as err:
             item_failed(res, "fn", err)
             return self._finish(it)
         except BaseException as err:  # KeyboardInterrupt / SystemExit raised by fn
-            self._stop.set()
+            self._interrupted()
             return self._finish(it, err)
         res.stages["fn"] = time.perf_counter() - t
         it.kv = None
@@ -286,19 +326,96 @@ class RewriteEngine:
 
     def _stage_store(self, it: _Item) -> None:
         res = it.res
+        salt = self.salt if it.salt is None else it.salt
         t = time.perf_counter()
         try:
-            r = self.ctx.store_ex(it.new_kv, it.new_toks, self.salt)  # type: ignore[arg-type]
+            if it.store is not None:
+                res.value = it.store(res, it.new_kv, it.new_toks, salt)  # type: ignore[arg-type]
+                return self._finish(it)
+            r = self.ctx.store_ex(it.new_kv, it.new_toks, salt)  # type: ignore[arg-type]
         except Exception as err:
             item_failed(res, "store", err)
             return self._finish(it)
         except BaseException as err:  # pragma: no cover
-            self._stop.set()
+            self._interrupted()
             return self._finish(it, err)
         res.stages["store"] = time.perf_counter() - t
         account_store(res, it.new_kv, r)  # type: ignore[arg-type]
         res.value = list(it.new_toks)
         return self._finish(it)
+
+    def _interrupted(self) -> None:
+        """An interrupt in a stage: a batch stops; a long-lived engine fails only that item."""
+        if not self._service:
+            self._stop.set()
+
+    # ------------------------------------------------------------------ threads
+    def _start(self) -> None:
+        self._runner = EditRunner(self.policy, self._alloc_result,
+                                  grad_enabled=torch.is_grad_enabled(),
+                                  inference_mode=torch.is_inference_mode_enabled())
+        self._stop.clear()
+        self._io = _Workers(self.io_workers, "lmcache-kv-batch-io")
+        self._edit = _Workers(1, "lmcache-kv-batch-edit", self._runner.setup)
+
+    def _stop_threads(self) -> int:
+        """Stop the threads (queued stages run first); return the outputs pooled meanwhile."""
+        assert self._edit is not None and self._io is not None and self._runner is not None
+        self._edit.close()
+        self._io.close()
+        self._edit = self._io = None
+        mode = self._runner.mode
+        if self._runner.policy.threads is not None and not self._runner.threads_set:
+            logger.debug("edit thread count not applied (no libgomp handle)")
+        return mode.pooled if mode is not None else 0
+
+    # ------------------------------------------------------------------ long-lived use
+    def open(self) -> RewriteEngine:
+        """Start the threads for :meth:`submit` (the caller's grad mode is taken now)."""
+        if self._io is not None:
+            raise KVCacheSDKError("this RewriteEngine is already running")
+        self._service = True
+        self._start()
+        return self
+
+    def submit(self, item: Any, index: int = 0, *, fn: Callable[..., Any] | None = None,
+               cache_salt: str | None = None, store: StoreFn | None = None
+               ) -> cf.Future[ItemResult]:
+        """Queue one item on an :meth:`open` engine; returns the future of its result.
+
+        Args:
+            item: What ``fetch`` takes (default: a token sequence).
+            index: Echoed in the result.
+            fn: This item's edit (None: the engine's).
+            cache_salt: This item's salt (None: the engine's).
+            store: This item's store step (None: ``ctx.store_ex`` and the batch accounting).
+
+        The caller bounds how many items it has queued (memory); results come in any order.
+        """
+        if not self._service or self._io is None:
+            raise KVCacheSDKError("RewriteEngine.submit needs open() first (and not close())")
+        it = _Item(index, item, ItemResult(index), fn=fn, salt=cache_salt, store=store)
+        with self._pending_lock:
+            self._pending.add(it.done)
+        it.done.add_done_callback(self._settled)
+        self._io.submit(1, self._stage_fetch, it)
+        return it.done
+
+    def _settled(self, fut: cf.Future[ItemResult]) -> None:
+        with self._pending_lock:
+            self._pending.discard(fut)
+
+    def close(self) -> None:
+        """Wait for the submitted items, stop the threads (the context stays open)."""
+        if not self._service:
+            return
+        with self._pending_lock:
+            pending = list(self._pending)
+        cf.wait(pending)
+        self.pooled_outputs += self._stop_threads()
+        self._service = False
+        with self._free_lock:
+            self._free.clear()
 
     # ------------------------------------------------------------------ driver
     def results(self, items: Iterable[Any], report: BatchReport | None = None,
@@ -308,14 +425,12 @@ class RewriteEngine:
         ``value`` of an ``ok`` item is its new token list. Cancelled items are counted in
         ``report.cancelled`` and not yielded.
         """
+        if self._io is not None:
+            raise KVCacheSDKError("this RewriteEngine is already running")
         rep = report if report is not None else BatchReport()
         ctx = self.ctx
-        self._runner = EditRunner(self.policy, self._alloc_result,
-                                  grad_enabled=torch.is_grad_enabled(),
-                                  inference_mode=torch.is_inference_mode_enabled())
-        self._stop.clear()
-        self._io = _Workers(self.io_workers, "lmcache-kv-batch-io")
-        self._edit = _Workers(1, "lmcache-kv-batch-edit", self._runner.setup)
+        self._start()
+        assert self._io is not None and self._runner is not None
         progress = Progress(total, self.desc, self.progress)
         window: collections.deque[_Item] = collections.deque()
         t0 = time.perf_counter()
@@ -362,15 +477,9 @@ class RewriteEngine:
             raise
         finally:
             self._stop.set()
-            self._edit.close()
-            self._io.close()
+            rep.pooled_outputs += self._stop_threads()
             rep.seconds = time.perf_counter() - t0
-            mode = self._runner.mode
-            if mode is not None:
-                rep.pooled_outputs += mode.pooled
             progress.close()
-            if self._runner.policy.threads is not None and not self._runner.threads_set:
-                logger.debug("edit thread count not applied (no libgomp handle)")
 
     def run(self, items: Iterable[Any], on_result: Callable[[ItemResult], None] | None = None,
             total: int | None = None) -> BatchReport:
@@ -394,4 +503,4 @@ def run_rewrite(ctx: LMCacheKVCacheContext, items: Iterable[Any], fn: Callable[.
     return RewriteEngine(ctx, fn, **options).run(items, on_result, total)
 
 
-__all__ = ["FetchFn", "RewriteEngine", "accepts_alloc", "run_rewrite"]
+__all__ = ["FetchFn", "RewriteEngine", "StoreFn", "accepts_alloc", "run_rewrite"]

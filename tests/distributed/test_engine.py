@@ -94,3 +94,39 @@ def test_store_and_retrieve_items_and_hashes(setup):
         eng.submit("drop", 0, toks)
     with pytest.raises(ValueError, match="callable"):
         eng.submit("rewrite", 0, toks)
+
+
+def test_rewrite_items_run_on_batch_rewrites_engine(setup):
+    """One engine underneath: the actor's rewrite items run on batch.rewrite's RewriteEngine
+    (its edit thread, its alloc pool for an fn that takes alloc), fed item by item."""
+    import threading
+
+    from lmcache_kv_fast.rewrite_engine import RewriteEngine
+
+    m, ctx, eng = setup
+    assert isinstance(eng._rw, RewriteEngine)
+    seqs, kvs = _seed(m, ctx, 3, 400)
+    threads: list[str] = []
+
+    def plain(kv, toks):
+        threads.append(threading.current_thread().name)
+        return drop_every_4th(kv, toks)
+
+    def with_alloc(kv, toks, *, alloc):
+        threads.append(threading.current_thread().name)
+        new_kv, new_toks = drop_every_4th(kv, toks)
+        out = alloc(tuple(new_kv.shape), new_kv.dtype)
+        out.copy_(new_kv)
+        return out, new_toks
+
+    outs = eng.run("rewrite", [(0, seqs[0]), (1, seqs[1])], fn=plain)
+    outs += eng.run("rewrite", [(2, seqs[2])], fn=with_alloc)
+    assert [o.status for o in outs] == ["ok"] * 3, outs
+    assert [o.index for o in outs] == [0, 1, 2]
+    assert threads and all(t.startswith("lmcache-kv-batch-edit") for t in threads), threads
+    c = ctx.chunk_size
+    for t, kv in zip(seqs, kvs):
+        want_kv, new = drop_every_4th(kv[..., : 2 * c, :], t[: 2 * c])
+        n = len(new) // c * c
+        got = ctx.retrieve(new[:n])
+        assert got is not None and torch.equal(got, want_kv[..., :n, :])
