@@ -312,8 +312,17 @@ def rewrite(
             (None: ``LMCACHE_KV_FAST_EDIT_THREADS``, else the caller's
             ``torch.get_num_threads()``, at most the usable cores).
 
+    A server that dies (killed, frozen, unreachable) does not cost ``timeout`` per item:
+    after an item fails with a server error the server is pinged once, and when that gets
+    no answer the batch stops at once (nothing more is sent; started server calls end).
+
     Returns:
         The :class:`BatchReport`.
+
+    Raises:
+        ServerUnavailableError: The server was found gone mid-batch; ``err.report`` is the
+            report so far, with ``not_attempted`` / ``not_attempted_indices`` for the
+            items never started (apart from ``failed``).
     """
     engine = RewriteEngine(ctx, fn, cache_salt, io_workers=workers,
                            max_in_flight=max_in_flight, pool_outputs=pool_outputs,

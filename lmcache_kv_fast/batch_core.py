@@ -34,6 +34,10 @@ class BatchReport:
         missed: Items with nothing cached to retrieve.
         failed: Items that failed (refused store, ``fn`` raised, server error).
         cancelled: Items not started because the batch was interrupted.
+        not_attempted: Items not started because the server was found gone (after an
+            item's failure, a liveness ping got no answer; the batch raised
+            ``ServerUnavailableError`` with this report). Not counted in ``items``.
+        not_attempted_indices: Their indices (in input order).
         tokens_moved: Tokens retrieved plus tokens stored.
         bytes_moved: KV bytes retrieved plus stored.
         seconds: Wall time of the batch.
@@ -50,6 +54,8 @@ class BatchReport:
     missed: int = 0
     failed: int = 0
     cancelled: int = 0
+    not_attempted: int = 0
+    not_attempted_indices: list[int] = field(default_factory=list)
     tokens_moved: int = 0
     bytes_moved: int = 0
     seconds: float = 0.0
@@ -68,7 +74,8 @@ class BatchReport:
         stages = ", ".join(f"{k} {v:.2f}s" for k, v in sorted(self.stage_seconds.items()))
         return (
             f"{self.items} items: {self.ok} ok, {self.missed} missed, {self.failed} failed"
-            f"{f', {self.cancelled} cancelled' if self.cancelled else ''}; "
+            f"{f', {self.cancelled} cancelled' if self.cancelled else ''}"
+            f"{f', {self.not_attempted} not attempted (server unavailable)' if self.not_attempted else ''}; "
             f"{self.tokens_moved} tokens, {self.bytes_moved / 2**20:.1f} MiB in "
             f"{self.seconds:.2f}s ({self.gbps:.2f} GB/s); stages: {stages}; "
             f"peak in flight {self.peak_in_flight}"
@@ -97,13 +104,15 @@ class ItemResult:
     """One item's outcome as a batch engine produces it (``value``: the stage's payload)."""
 
     index: int
-    status: str = "ok"  # ok | missed | failed
+    status: str = "ok"  # ok | missed | failed (engines also: cancelled | not_attempted)
     stage: str = ""
     reason: str = ""
     tokens: int = 0
     nbytes: int = 0
     stages: dict[str, float] = field(default_factory=dict)
     value: Any = None
+    #: The exception of a failure (``item_failed``), until the engine looked at it.
+    error: BaseException | None = field(default=None, repr=False, compare=False)
 
 
 def nbytes(t: torch.Tensor | None) -> int:
@@ -158,6 +167,7 @@ class Progress:
 def item_failed(res: ItemResult, stage: str, err: BaseException) -> ItemResult:
     """Mark ``res`` failed at ``stage`` with ``err`` as the reason; return it."""
     res.status, res.stage, res.reason = "failed", stage, f"{type(err).__name__}: {err}"
+    res.error = err
     return res
 
 

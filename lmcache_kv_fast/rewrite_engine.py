@@ -16,21 +16,19 @@ a distributed rewrite (each worker runs it over its share):
 The edit of one item overlaps the store of the previous one and the retrieve of the next.
 Errors of one item are recorded and the batch goes on; ``KeyboardInterrupt`` (in ``fn``
 or in the caller) or a closed context stops it after the in-flight server calls finished,
-so nothing is left on the server.
+so nothing is left on the server. After an item's server error, one liveness ping
+(:mod:`lmcache_kv_fast.rewrite_liveness`); a server found gone stops the batch at once
+(``ServerUnavailableError``, items not started counted ``not_attempted``).
 """
 
 from __future__ import annotations
 
 import collections
 import concurrent.futures as cf
-import inspect
-import itertools
 import logging
-import queue
 import threading
 import time
 from collections.abc import Callable, Iterable, Iterator, Sequence
-from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -49,90 +47,15 @@ from lmcache_kv_fast.context import LMCacheKVCacheContext, normalize_tokens, usa
 from lmcache_kv_fast.copy.select import backend
 from lmcache_kv_fast.edit_policy import EditPolicy, EditRunner
 from lmcache_kv_fast.errors import InvalidArgumentError, KVCacheSDKError
+from lmcache_kv_fast.rewrite_liveness import ServerWatch
+from lmcache_kv_fast.rewrite_parts import Item, StoreFn, Workers, accepts_alloc, shares_memory
 
 logger = logging.getLogger("lmcache_kv_fast.batch")
 
 #: ``fetch(ctx, item)`` -> ``(kv | None, tokens of kv)``: what to edit for an item.
 FetchFn = Callable[[LMCacheKVCacheContext, Any], "tuple[torch.Tensor | None, Sequence[int]]"]
-#: ``store(res, new_kv, new_tokens, cache_salt)`` -> ``res.value``: stores an edit and
-#: accounts it into ``res`` (stages, tokens, bytes, status); raising fails the item.
-StoreFn = Callable[[ItemResult, torch.Tensor, Sequence[int], str], Any]
 DEFAULT_IO_WORKERS = 2
 REWRITE_DEFAULT_MAX_IN_FLIGHT = 2
-
-
-def accepts_alloc(fn: Callable[..., Any]) -> bool:
-    """Whether ``fn`` takes an ``alloc`` keyword argument."""
-    try:
-        params = inspect.signature(fn).parameters
-    except (TypeError, ValueError):
-        return False
-    p = params.get("alloc")
-    return p is not None and p.kind in (inspect.Parameter.KEYWORD_ONLY,
-                                        inspect.Parameter.POSITIONAL_OR_KEYWORD)
-
-
-def _shares_memory(t: Any, buf: torch.Tensor) -> bool:
-    """Whether ``t`` (what ``fn`` returned) may lie in ``buf``'s memory (True if unsure)."""
-    if not isinstance(t, torch.Tensor):
-        return True
-    try:
-        a, b = t.untyped_storage(), buf.untyped_storage()
-        a0, b0 = a.data_ptr(), b.data_ptr()
-        return a0 < b0 + b.nbytes() and b0 < a0 + a.nbytes()
-    except (RuntimeError, NotImplementedError):
-        return True
-
-
-class _Workers:
-    """``n`` threads serving a priority queue (lower first, FIFO within a priority)."""
-
-    def __init__(self, n: int, name: str, init: Callable[[], None] | None = None) -> None:
-        self._q: queue.PriorityQueue[tuple[int, int, Any, tuple[Any, ...]]] = queue.PriorityQueue()
-        self._seq = itertools.count()
-        self._init = init
-        self._threads = [threading.Thread(target=self._loop, name=f"{name}-{i}", daemon=True)
-                         for i in range(n)]
-        for t in self._threads:
-            t.start()
-
-    def submit(self, prio: int, fn: Callable[..., None], *args: Any) -> None:
-        self._q.put((prio, next(self._seq), fn, args))
-
-    def _loop(self) -> None:
-        if self._init is not None:
-            try:
-                self._init()
-            except Exception as err:  # a policy that cannot apply must not stop the batch
-                logger.warning("edit thread setup failed: %r", err)
-        while True:
-            _, _, fn, args = self._q.get()
-            if fn is None:
-                return
-            fn(*args)  # stage functions handle every exception themselves
-
-    def close(self) -> None:
-        for _ in self._threads:
-            self._q.put((1 << 30, next(self._seq), None, ()))
-        for t in self._threads:
-            t.join()
-
-
-@dataclass
-class _Item:
-    index: int
-    item: Any
-    res: ItemResult
-    done: cf.Future[ItemResult] = field(default_factory=cf.Future)
-    buf: torch.Tensor | None = None
-    kv: torch.Tensor | None = None
-    toks: Sequence[int] = ()
-    new_kv: torch.Tensor | None = None
-    new_toks: Sequence[int] = ()
-    taken: list[torch.Tensor] = field(default_factory=list)
-    fn: Callable[..., Any] | None = None  # per-item overrides (service mode)
-    salt: str | None = None
-    store: StoreFn | None = None
 
 
 class RewriteEngine:
@@ -199,12 +122,13 @@ class RewriteEngine:
         self._free_lock = threading.Lock()
         self._stop = threading.Event()
         self._runner: EditRunner | None = None
-        self._io: _Workers | None = None
-        self._edit: _Workers | None = None
+        self._io: Workers | None = None
+        self._edit: Workers | None = None
         self._service = False
         self._pending: set[cf.Future[ItemResult]] = set()
         self._pending_lock = threading.Lock()
         self.pooled_outputs = 0
+        self._watch = ServerWatch(ctx)
 
     # ------------------------------------------------------------------ buffers
     def _new_out_pool(self) -> OutputPool:
@@ -244,7 +168,7 @@ class RewriteEngine:
                     self._free.append(t)
 
     # ------------------------------------------------------------------ stages
-    def _finish(self, it: _Item, exc: BaseException | None = None) -> None:
+    def _finish(self, it: Item, exc: BaseException | None = None) -> None:
         self._give(it.buf)
         it.buf = it.kv = it.new_kv = None
         if self._out_pool is not None:
@@ -254,20 +178,46 @@ class RewriteEngine:
         else:
             it.done.set_result(it.res)
 
-    def _cancelled(self, it: _Item) -> None:
+    def _cancelled(self, it: Item) -> None:
         it.res.status, it.res.reason = "cancelled", "batch interrupted"
         self._finish(it)
 
-    def _default_fetch(self, it: _Item, salt: str) -> tuple[torch.Tensor | None, Sequence[int]]:
+    def _halted(self) -> bool:
+        return self._stop.is_set() or self._watch.gone() is not None
+
+    def _not_started(self, it: Item) -> None:
+        """An item whose first stage did not run: not attempted (server gone) or cancelled."""
+        if self._watch.gone() is None:
+            return self._cancelled(it)
+        it.res.status, it.res.reason = "not_attempted", "not attempted: the server is unavailable"
+        return self._finish(it)
+
+    def _dropped(self, it: Item) -> None:
+        """A retrieved item that is not stored: cancelled (interrupt) or failed (server gone)."""
+        if self._watch.gone() is None:
+            return self._cancelled(it)
+        res = it.res
+        res.status, res.stage = "failed", "store"
+        res.reason = "not stored: the batch stopped (ServerUnavailableError: the server is unavailable)"
+        return self._finish(it)
+
+    def _failed(self, it: Item, stage: str, err: Exception) -> None:
+        """``it`` failed at ``stage``: after a server error, one liveness ping first."""
+        item_failed(it.res, stage, err)
+        it.res.error = None  # the traceback may hold tensors: not kept
+        self._watch.after_failure(err)
+        return self._finish(it)
+
+    def _default_fetch(self, it: Item, salt: str) -> tuple[torch.Tensor | None, Sequence[int]]:
         toks = normalize_tokens(it.item)
         whole = len(toks) // self.ctx.chunk_size * self.ctx.chunk_size
         it.buf = self._take(whole)
         kv = self.ctx.retrieve(toks, salt, out=it.buf)
         return kv, toks
 
-    def _stage_fetch(self, it: _Item) -> None:
-        if self._stop.is_set():
-            return self._cancelled(it)
+    def _stage_fetch(self, it: Item) -> None:
+        if self._halted():
+            return self._not_started(it)
         res = it.res
         t = time.perf_counter()
         try:
@@ -276,8 +226,7 @@ class RewriteEngine:
             else:
                 kv, toks = self._fetch_fn(self.ctx, it.item)
         except Exception as err:
-            item_failed(res, "retrieve", err)
-            return self._finish(it)
+            return self._failed(it, "retrieve", err)
         except BaseException as err:  # pragma: no cover - interrupt on an I/O thread
             self._interrupted()
             return self._finish(it, err)
@@ -292,9 +241,9 @@ class RewriteEngine:
         self._edit.submit(0, self._stage_edit, it)
         return None
 
-    def _stage_edit(self, it: _Item) -> None:
-        if self._stop.is_set():
-            return self._cancelled(it)
+    def _stage_edit(self, it: Item) -> None:
+        if self._halted():
+            return self._dropped(it)
         res, runner = it.res, self._runner
         assert runner is not None
         fn = self.fn if it.fn is None else it.fn
@@ -316,7 +265,7 @@ class RewriteEngine:
             return self._finish(it, err)
         res.stages["fn"] = time.perf_counter() - t
         it.kv = None
-        if it.buf is not None and not _shares_memory(new_kv, it.buf):
+        if it.buf is not None and not shares_memory(new_kv, it.buf):
             self._give(it.buf)  # the edit is elsewhere: the next retrieve may use it now
             it.buf = None
         it.new_kv, it.new_toks = new_kv, new_toks
@@ -324,18 +273,22 @@ class RewriteEngine:
         self._io.submit(0, self._stage_store, it)
         return None
 
-    def _stage_store(self, it: _Item) -> None:
+    def _stage_store(self, it: Item) -> None:
+        if self._watch.gone() is not None:
+            return self._dropped(it)
         res = it.res
         salt = self.salt if it.salt is None else it.salt
         t = time.perf_counter()
         try:
             if it.store is not None:
                 res.value = it.store(res, it.new_kv, it.new_toks, salt)  # type: ignore[arg-type]
+                err, res.error = res.error, None  # a failure the store step recorded
+                if err is not None and res.status == "failed":
+                    self._watch.after_failure(err)
                 return self._finish(it)
             r = self.ctx.store_ex(it.new_kv, it.new_toks, salt)  # type: ignore[arg-type]
         except Exception as err:
-            item_failed(res, "store", err)
-            return self._finish(it)
+            return self._failed(it, "store", err)
         except BaseException as err:  # pragma: no cover
             self._interrupted()
             return self._finish(it, err)
@@ -355,8 +308,8 @@ class RewriteEngine:
                                   grad_enabled=torch.is_grad_enabled(),
                                   inference_mode=torch.is_inference_mode_enabled())
         self._stop.clear()
-        self._io = _Workers(self.io_workers, "lmcache-kv-batch-io")
-        self._edit = _Workers(1, "lmcache-kv-batch-edit", self._runner.setup)
+        self._io = Workers(self.io_workers, "lmcache-kv-batch-io")
+        self._edit = Workers(1, "lmcache-kv-batch-edit", self._runner.setup)
 
     def _stop_threads(self) -> int:
         """Stop the threads (queued stages run first); return the outputs pooled meanwhile."""
@@ -375,6 +328,8 @@ class RewriteEngine:
         if self._io is not None:
             raise KVCacheSDKError("this RewriteEngine is already running")
         self._service = True
+        # a long-lived engine re-checks a server found gone after a while (it may be back)
+        self._watch = ServerWatch(self.ctx, hold_s=max(self.ctx.timeout, 5.0))
         self._start()
         return self
 
@@ -394,7 +349,7 @@ class RewriteEngine:
         """
         if not self._service or self._io is None:
             raise KVCacheSDKError("RewriteEngine.submit needs open() first (and not close())")
-        it = _Item(index, item, ItemResult(index), fn=fn, salt=cache_salt, store=store)
+        it = Item(index, item, ItemResult(index), fn=fn, salt=cache_salt, store=store)
         with self._pending_lock:
             self._pending.add(it.done)
         it.done.add_done_callback(self._settled)
@@ -423,22 +378,31 @@ class RewriteEngine:
         """Run the batch; yield each item's :class:`ItemResult` in input order.
 
         ``value`` of an ``ok`` item is its new token list. Cancelled items are counted in
-        ``report.cancelled`` and not yielded.
+        ``report.cancelled``, items not attempted (server gone) in
+        ``report.not_attempted``; neither is yielded.
+
+        Raises:
+            ServerUnavailableError: The server was found gone (``err.report`` is ``report``).
         """
         if self._io is not None:
             raise KVCacheSDKError("this RewriteEngine is already running")
         rep = report if report is not None else BatchReport()
         ctx = self.ctx
+        self._watch = ServerWatch(ctx)  # per batch: a server found gone stops this batch
         self._start()
         assert self._io is not None and self._runner is not None
         progress = Progress(total, self.desc, self.progress)
-        window: collections.deque[_Item] = collections.deque()
+        window: collections.deque[Item] = collections.deque()
         t0 = time.perf_counter()
 
-        def collect(it: _Item) -> ItemResult | None:
+        def collect(it: Item) -> ItemResult | None:
             res = it.done.result()
             if res.status == "cancelled":
                 rep.cancelled += 1
+                return None
+            if res.status == "not_attempted":
+                rep.not_attempted += 1
+                rep.not_attempted_indices.append(res.index)
                 return None
             rep._add(res)
             progress.update()
@@ -448,6 +412,11 @@ class RewriteEngine:
             source = enumerate(items)
             exhausted = False
             while True:
+                if not exhausted and self._watch.gone() is not None:
+                    exhausted = True  # the server is gone: nothing more is sent
+                    for i, _ in source:
+                        rep.not_attempted += 1
+                        rep.not_attempted_indices.append(i)
                 while not exhausted and len(window) < self.max_in_flight:
                     if ctx.closed:  # stop feeding; in-flight items finish (or fail: closed)
                         exhausted = True
@@ -457,7 +426,7 @@ class RewriteEngine:
                     if nxt is None:
                         exhausted = True
                         break
-                    it = _Item(nxt[0], nxt[1], ItemResult(nxt[0]))
+                    it = Item(nxt[0], nxt[1], ItemResult(nxt[0]))
                     window.append(it)
                     self._io.submit(1, self._stage_fetch, it)
                     rep.peak_in_flight = max(rep.peak_in_flight, len(window))
@@ -466,6 +435,11 @@ class RewriteEngine:
                 res = collect(window.popleft())
                 if res is not None:
                     yield res
+            gone = self._watch.gone()
+            if gone is not None:
+                rep.not_attempted_indices.sort()
+                gone.report = rep
+                raise gone
         except BaseException:
             # Stop: items not started are cancelled, started server calls finish.
             self._stop.set()

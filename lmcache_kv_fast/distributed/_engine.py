@@ -195,6 +195,8 @@ class ItemEngine:
                 out.set_result(_outcome(_fail(_ItemResult(index), "fn", err)))
                 return
             res = f.result()
+            if res.status in ("not_attempted", "cancelled"):  # the fleet knows ok/missed/failed
+                res.status, res.stage = "failed", res.status
             out.set_result(res.value if isinstance(res.value, Outcome) else _outcome(res))
 
         self._rw.submit(toks, index, fn=fn, cache_salt=salt, store=store).add_done_callback(done)
