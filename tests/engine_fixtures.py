@@ -35,12 +35,25 @@ _items: list[pytest.Item] = []
 
 
 def mark_engine_items(items: list[pytest.Item]) -> None:
-    """Remember the run order; mark every test that uses an engine fixture."""
-    _items[:] = items
+    """Mark every test that uses an engine fixture; order the engine stoppers; remember the
+    run order.
+
+    A test marked ``stops_engine`` stops the shared offline engine, so it runs right after
+    the last other test that uses that engine, wherever that test lives (tests/sdk uses
+    the engine after tests/engine does).
+    """
     for item in items:
         if set(ENGINE_FIXTURES) & set(getattr(item, "fixturenames", ())):
             item.add_marker(pytest.mark.engine)
             item.add_marker(pytest.mark.timeout(ENGINE_TEST_TIMEOUT))
+    stoppers = [it for it in items if it.get_closest_marker("stops_engine") is not None]
+    if stoppers:
+        rest = [it for it in items if it.get_closest_marker("stops_engine") is None]
+        users = [i for i, it in enumerate(rest)
+                 if "offline_engine" in getattr(it, "fixturenames", ())]
+        at = users[-1] + 1 if users else len(rest)
+        items[:] = [*rest[:at], *stoppers, *rest[at:]]
+    _items[:] = items
 
 
 def release_unused(item: pytest.Item) -> None:
