@@ -72,6 +72,21 @@ def release_unused(item: pytest.Item) -> None:
             _live.pop(name).stop()
 
 
+def engine_log_sections(item: pytest.Item) -> list[tuple[str, str]]:
+    """The tails of the logs of the shared engines ``item`` uses (added to its failure
+    report: an engine that died mid-test says why only there)."""
+    out = []
+    for name in ("openai_engine", "offline_engine"):
+        obj = _live.get(name)
+        if obj is None or name not in getattr(item, "fixturenames", ()):
+            continue
+        tail_fn = getattr(obj, "log_tail", None) or getattr(getattr(obj, "_child", None),
+                                                             "log_tail", None)
+        if tail_fn is not None:
+            out.append((f"{name} log (last 150 lines)", tail_fn(150)))
+    return out
+
+
 def _hold(name: str, obj: Any) -> Iterator[Any]:
     _live[name] = obj
     try:
