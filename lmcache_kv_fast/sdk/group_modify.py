@@ -49,7 +49,7 @@ logger = logging.getLogger(__name__)
 __all__ = ["GROUP_BYTES", "modify_in_groups"]
 
 #: Most bytes of the server's objects (row buffers) a group reads at once.
-GROUP_BYTES = 32 << 20
+GROUP_BYTES = 16 << 20
 KV = LMCacheSDKCacheKind.KV
 ReadFn = Callable[["StreamModify", LMCacheSDKCacheKind, Any], torch.Tensor]
 

@@ -3,12 +3,13 @@
 Upstream 0.5.6 runs one thread per stream, each polling with full retrieves until the
 engine's store is visible, each holding its stream's KV (and its edit) until the end, so
 every stream's KV is in memory at once and the first failure hides the others. Here the
-streams go through this project's pipelined rewrite engine (the one under
-``lmcache_kv_fast.batch.rewrite``): at most ``max_in_flight`` streams are between their
-read and their store, the edit of one overlaps the I/O of others, the wait for the
-engine's store is lookups with back-off (:mod:`lmcache_kv_fast.sdk.wait`), and every
-stream's outcome is recorded. Streams are grouped by KV context and salt (the engine
-runs one context and salt at a time).
+streams are grouped by KV context and salt; on the SHM plane each group goes through
+:mod:`lmcache_kv_fast.sdk.group_modify` (groups of at most ``max_in_flight`` streams whose
+reads and stores are pipelined multi-sequence request flows, ``client/multi.py``), on the
+pickle plane through this project's pipelined rewrite engine (``engine_adapter.py``: at
+most ``max_in_flight`` streams between their read and their store). Either way the wait
+for the engine's store is lookups with back-off (:mod:`lmcache_kv_fast.sdk.wait`), and
+every stream's outcome is recorded.
 """
 
 from __future__ import annotations
@@ -37,7 +38,7 @@ logger = logging.getLogger(__name__)
 __all__ = ["DEFAULT_MAX_IN_FLIGHT", "ModifyOutcome", "StreamModify", "modify_streams"]
 
 #: Streams between their read and their store at once, by default.
-DEFAULT_MAX_IN_FLIGHT = 8
+DEFAULT_MAX_IN_FLIGHT = 4
 KV = LMCacheSDKCacheKind.KV
 
 
