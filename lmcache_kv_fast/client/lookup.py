@@ -40,48 +40,17 @@ def cached_tokens(s: Session, toks: list[int], salt: str, rc: dict[str, Any] | N
 
 def lookup_chunks(s: Session, ch: Channel, tokens: list[int], rid: str, salt: str) -> int:
     """Run lookup + wait; return the number of leading hit chunks (read-locked)."""
-    return lookup_finish(s, ch, lookup_send(s, ch, tokens, rid, salt))
-
-
-class LookupCalls:
-    """A lookup sent by :func:`lookup_send`, whose result :func:`lookup_finish` reads."""
-
-    __slots__ = ("c_lookup", "c_wait", "deadline", "key", "n_chunks", "rid", "tokens")
-
-    def __init__(self, key: IPCCacheServerKey, rid: str, n_chunks: int, c_lookup: PendingCall,
-                 c_wait: PendingCall | None, deadline: float, tokens: int) -> None:
-        self.key, self.rid, self.n_chunks = key, rid, n_chunks
-        self.c_lookup, self.c_wait = c_lookup, c_wait
-        self.deadline, self.tokens = deadline, tokens
-
-
-def lookup_send(s: Session, ch: Channel, tokens: list[int], rid: str, salt: str) -> LookupCalls:
-    """Send a lookup (and, on a FIFO normal pool, its first wait) without waiting.
-
-    Many lookups may be sent on one channel, or on several, before any is finished.
-    """
     n_chunks = len(tokens) // s.chunk_size
     key = s.key(tokens, 0, n_chunks * s.chunk_size, rid, salt, None)
     c_lookup = ch.send(Op.LOOKUP, [key, s.world_size])
+    deadline = time.monotonic() + s.timeout
     c_wait = None
     if s.fifo_normal_pool:  # FIFO pool: the wait runs after the lookup
         c_wait = ch.send(Op.WAIT_PREFETCH_STATUS, [rid, PREFETCH_WAIT_SLICE_S])
-    return LookupCalls(key, rid, n_chunks, c_lookup, c_wait, time.monotonic() + s.timeout,
-                       len(tokens))
-
-
-def lookup_finish(s: Session, ch: Channel, lc: LookupCalls) -> int:
-    """Wait for a lookup sent by :func:`lookup_send`; return its leading hit chunks.
-
-    Raises:
-        ServerTimeoutError: No answer in time (the channel is retired with the obligation
-            that frees what the lookup locks when it runs late).
-    """
-    key, rid, n_chunks, c_wait = lc.key, lc.rid, lc.n_chunks, lc.c_wait
     try:
-        ch.wait(lc.c_lookup)
+        ch.wait(c_lookup)
     except ServerTimeoutError:
-        settle_late_lookup(s, ch, key, rid, lc.c_lookup, c_wait)
+        settle_late_lookup(s, ch, key, rid, c_lookup, c_wait)
         raise
     except BaseException:
         if c_wait is not None:
@@ -91,11 +60,11 @@ def lookup_finish(s: Session, ch: Channel, lc: LookupCalls) -> int:
     while result is None:
         if c_wait is None:
             c_wait = ch.send(Op.WAIT_PREFETCH_STATUS, [rid, PREFETCH_WAIT_SLICE_S])
-        remaining = lc.deadline - time.monotonic()
+        remaining = deadline - time.monotonic()
         if remaining <= 0:
             settle_late_lookup(s, ch, key, rid, None, c_wait)
             raise ServerTimeoutError(
-                f"lookup of {lc.tokens} tokens on {s.url} not finished after "
+                f"lookup of {len(tokens)} tokens on {s.url} not finished after "
                 f"{s.timeout:g}s"
             )
         try:

@@ -3,13 +3,13 @@
 Upstream 0.5.6 runs one thread per stream, each polling with full retrieves until the
 engine's store is visible, each holding its stream's KV (and its edit) until the end, so
 every stream's KV is in memory at once and the first failure hides the others. Here the
-streams are grouped by KV context and salt; on the SHM plane each group goes through
-:mod:`lmcache_kv_fast.sdk.group_modify` (groups of at most ``max_in_flight`` streams whose
-reads and stores are pipelined multi-sequence request flows, ``client/multi.py``), on the
-pickle plane through this project's pipelined rewrite engine (``engine_adapter.py``: at
-most ``max_in_flight`` streams between their read and their store). Either way the wait
-for the engine's store is lookups with back-off (:mod:`lmcache_kv_fast.sdk.wait`), and
-every stream's outcome is recorded.
+streams are grouped by KV context and salt and each group goes through this project's
+pipelined rewrite engine (``engine_adapter.py``): at most ``max_in_flight`` streams are
+between their read and their store, each on its own thread (a finished stream's slot is
+refilled at once), so one stream's server round trips overlap the others' work; a stream's
+rows are read and stored through reused row buffers (``kvio.py``). The wait for the
+engine's store is lookups with back-off (:mod:`lmcache_kv_fast.sdk.wait`), and every
+stream's outcome is recorded.
 """
 
 from __future__ import annotations
@@ -25,7 +25,6 @@ import torch
 from lmcache_kv_fast.sdk.cache_kind import LMCacheSDKCacheKind
 from lmcache_kv_fast.sdk.context import ModifyFnType
 from lmcache_kv_fast.sdk.engine_adapter import run_rewrite_items
-from lmcache_kv_fast.sdk.group_modify import modify_in_groups
 from lmcache_kv_fast.sdk.kvio import StreamKV
 from lmcache_kv_fast.sdk.request import (
     LMCacheRequestStream,
@@ -149,10 +148,6 @@ def _run_group(group: list[StreamModify], fn: ModifyFnType, timeout: float,
     first = group[0].stream
     sdk_ctx = first.context(KV)
     salt = first.cache_salt
-    if modify_in_groups(group, fn, lambda m, kind, reader: _read(
-            m, kind, timeout, poll_interval, reader), max_in_flight=max_in_flight,
-            progress=progress, out=out, on_done=on_done):
-        return
     by_kv: dict[int, StreamModify] = {}
     io = StreamKV(sdk_ctx)
 

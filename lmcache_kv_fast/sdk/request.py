@@ -305,15 +305,6 @@ class LMCacheRequestStream:
         """Tokens of the stream whose cache should be on the server (whole chunks or not)."""
         return min(self._stored_upto, len(self.tokens))
 
-    def expected_target(self, kind: LMCacheSDKCacheKind) -> int:
-        """Tokens of the stream's ``kind`` cache a read expects (whole chunks).
-
-        Raises:
-            LMCacheRequestStreamError: No context of ``kind``, or fewer than one chunk
-                was sent to the engine.
-        """
-        return self._target(self.context(kind), kind)
-
     def _target(self, ctx: LMCacheSDKContext, kind: LMCacheSDKCacheKind) -> int:
         target = self.expected_cached_tokens() // ctx.chunk_size * ctx.chunk_size
         if target == 0:
