@@ -43,17 +43,20 @@ from lmcache_kv_fast.batch_core import (
     nbytes,
 )
 from lmcache_kv_fast.batch_pools import OutputPool
-from lmcache_kv_fast.context import LMCacheKVCacheContext, normalize_tokens, usable_cores
+from lmcache_kv_fast.context import LMCacheKVCacheContext, StoreResult, normalize_tokens, usable_cores
 from lmcache_kv_fast.copy.select import backend
 from lmcache_kv_fast.edit_policy import EditPolicy, EditRunner
 from lmcache_kv_fast.errors import InvalidArgumentError, KVCacheSDKError
 from lmcache_kv_fast.rewrite_liveness import ServerWatch
-from lmcache_kv_fast.rewrite_parts import Item, StoreFn, Workers, accepts_alloc, shares_memory
+from lmcache_kv_fast.rewrite_parts import Item, StoreStepFn, Workers, accepts_alloc, shares_memory
 
 logger = logging.getLogger("lmcache_kv_fast.batch")
 
 #: ``fetch(ctx, item)`` -> ``(kv | None, tokens of kv)``: what to edit for an item.
 FetchFn = Callable[[LMCacheKVCacheContext, Any], "tuple[torch.Tensor | None, Sequence[int]]"]
+#: ``store(kv, tokens, cache_salt)`` -> ``StoreResult``: what stores an edit (default
+#: ``ctx.store_ex``; e.g. the sdk stores a CPU engine's edit as its rows).
+StoreFn = Callable[[torch.Tensor, Sequence[int], str], StoreResult]
 DEFAULT_IO_WORKERS = 2
 REWRITE_DEFAULT_MAX_IN_FLIGHT = 2
 
@@ -85,6 +88,8 @@ class RewriteEngine:
             reused buffer.
         progress: Show a progress bar.
         desc: Progress label.
+        store: ``store(kv, tokens, cache_salt) -> StoreResult`` instead of
+            ``ctx.store_ex`` (same accounting).
 
     Raises:
         InvalidArgumentError: Bad arguments.
@@ -95,7 +100,8 @@ class RewriteEngine:
                  max_in_flight: int = REWRITE_DEFAULT_MAX_IN_FLIGHT,
                  pool_outputs: bool | None = None, edit_threads: int | None = None,
                  reuse_buffers: bool = True, fetch: FetchFn | None = None,
-                 progress: bool = False, desc: str = "rewrite") -> None:
+                 progress: bool = False, desc: str = "rewrite",
+                 store: StoreFn | None = None) -> None:
         check_common(ctx, max_in_flight)
         if not callable(fn):
             raise InvalidArgumentError(f"fn must be callable, got {type(fn).__name__}")
@@ -112,6 +118,9 @@ class RewriteEngine:
         self._alloc_result = be.alloc_result
         self.reuse_buffers = reuse_buffers
         self._fetch_fn = fetch
+        if store is not None and not callable(store):
+            raise InvalidArgumentError(f"store must be callable, got {type(store).__name__}")
+        self._store_fn: StoreFn = store if store is not None else ctx.store_ex
         self.progress, self.desc = progress, desc
         self._out_pool: OutputPool | None = None
         self._takes_alloc: dict[int, tuple[Callable[..., Any], bool]] = {}
@@ -280,13 +289,13 @@ class RewriteEngine:
         salt = self.salt if it.salt is None else it.salt
         t = time.perf_counter()
         try:
-            if it.store is not None:
-                res.value = it.store(res, it.new_kv, it.new_toks, salt)  # type: ignore[arg-type]
+            if it.store_step is not None:
+                res.value = it.store_step(res, it.new_kv, it.new_toks, salt)  # type: ignore[arg-type]
                 err, res.error = res.error, None  # a failure the store step recorded
                 if err is not None and res.status == "failed":
                     self._watch.after_failure(err)
                 return self._finish(it)
-            r = self.ctx.store_ex(it.new_kv, it.new_toks, salt)  # type: ignore[arg-type]
+            r = self._store_fn(it.new_kv, it.new_toks, salt)  # type: ignore[arg-type]
         except Exception as err:
             return self._failed(it, "store", err)
         except BaseException as err:  # pragma: no cover
@@ -334,7 +343,7 @@ class RewriteEngine:
         return self
 
     def submit(self, item: Any, index: int = 0, *, fn: Callable[..., Any] | None = None,
-               cache_salt: str | None = None, store: StoreFn | None = None
+               cache_salt: str | None = None, store_step: StoreStepFn | None = None
                ) -> cf.Future[ItemResult]:
         """Queue one item on an :meth:`open` engine; returns the future of its result.
 
@@ -343,13 +352,15 @@ class RewriteEngine:
             index: Echoed in the result.
             fn: This item's edit (None: the engine's).
             cache_salt: This item's salt (None: the engine's).
-            store: This item's store step (None: ``ctx.store_ex`` and the batch accounting).
+            store_step: This item's store step, which also does the accounting (None: the
+                engine's ``store`` and the batch accounting).
 
         The caller bounds how many items it has queued (memory); results come in any order.
         """
         if not self._service or self._io is None:
             raise KVCacheSDKError("RewriteEngine.submit needs open() first (and not close())")
-        it = Item(index, item, ItemResult(index), fn=fn, salt=cache_salt, store=store)
+        it = Item(index, item, ItemResult(index), fn=fn, salt=cache_salt,
+                  store_step=store_step)
         with self._pending_lock:
             self._pending.add(it.done)
         it.done.add_done_callback(self._settled)
@@ -477,4 +488,4 @@ def run_rewrite(ctx: LMCacheKVCacheContext, items: Iterable[Any], fn: Callable[.
     return RewriteEngine(ctx, fn, **options).run(items, on_result, total)
 
 
-__all__ = ["FetchFn", "RewriteEngine", "StoreFn", "accepts_alloc", "run_rewrite"]
+__all__ = ["FetchFn", "RewriteEngine", "StoreFn", "StoreStepFn", "accepts_alloc", "run_rewrite"]

@@ -18,9 +18,9 @@ from lmcache_kv_fast.batch_core import ItemResult
 
 logger = logging.getLogger("lmcache_kv_fast.batch")
 
-#: ``store(res, new_kv, new_tokens, cache_salt)`` -> ``res.value``: stores an edit and
-#: accounts it into ``res`` (stages, tokens, bytes, status); raising fails the item.
-StoreFn = Callable[[ItemResult, torch.Tensor, Sequence[int], str], Any]
+#: ``store_step(res, new_kv, new_tokens, cache_salt)`` -> ``res.value``: stores an edit
+#: and accounts it into ``res`` (stages, tokens, bytes, status); raising fails the item.
+StoreStepFn = Callable[[ItemResult, torch.Tensor, Sequence[int], str], Any]
 
 
 def accepts_alloc(fn: Callable[..., Any]) -> bool:
@@ -98,4 +98,4 @@ class Item:
     taken: list[torch.Tensor] = field(default_factory=list)
     fn: Callable[..., Any] | None = None  # per-item overrides (service mode)
     salt: str | None = None
-    store: StoreFn | None = None
+    store_step: StoreStepFn | None = None

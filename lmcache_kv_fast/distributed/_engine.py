@@ -199,7 +199,7 @@ class ItemEngine:
                 res.status, res.stage = "failed", res.status
             out.set_result(res.value if isinstance(res.value, Outcome) else _outcome(res))
 
-        self._rw.submit(toks, index, fn=fn, cache_salt=salt, store=store).add_done_callback(done)
+        self._rw.submit(toks, index, fn=fn, cache_salt=salt, store_step=store).add_done_callback(done)
         return out
 
     def _task(self, op: str, index: int, payload: Any, salt: str, verify: bool,

@@ -180,3 +180,27 @@ def test_engine_argument_errors(wide):
     with pytest.raises(lmc_sdk.KVCacheSDKError, match="fn must be callable"):
         batch.rewrite(ctx, [], None, progress=False)
     assert batch.rewrite(ctx, [], drop_every_10th, progress=False).items == 0
+
+
+def test_custom_store_replaces_store_ex_with_the_same_accounting(wide):
+    """``RewriteEngine(..., store=)``: what the sdk's modify passes (a CPU engine's rows);
+    the engine adapter finds the parameter and hands its store down."""
+    import inspect
+
+    from lmcache_kv_fast.sdk.engine_adapter import _accepts
+
+    assert _accepts(RewriteEngine, "store")
+    assert "store" in inspect.signature(RewriteEngine).parameters
+    m, ctx = wide
+    toks = _seed(m, ctx, 3, 700)
+    calls: list[int] = []
+
+    def store(kv, tokens, salt):
+        calls.append(len(tokens))
+        return ctx.store_ex(kv, tokens, salt)
+
+    rep = RewriteEngine(ctx, drop_every_10th, store=store).run(toks)
+    assert rep.ok == 3 and len(calls) == 3, rep.summary()
+    _check_all(m, ctx, toks, 700)
+    with pytest.raises(ValueError, match="store must be callable"):
+        RewriteEngine(ctx, drop_every_10th, store="no")
