@@ -38,9 +38,11 @@ def mark_engine_items(items: list[pytest.Item]) -> None:
     """Mark every test that uses an engine fixture; order the engine stoppers; remember the
     run order.
 
-    A test marked ``stops_engine`` stops the shared offline engine, so it runs right after
-    the last other test that uses that engine, wherever that test lives (tests/sdk uses
-    the engine after tests/engine does).
+    A test marked ``stops_engine`` stops the shared offline engine and then expects no
+    engine registered on the engine server (it unregisters what is left), so it runs
+    right after the last other test that uses either engine, wherever that test lives
+    (tests/sdk uses both after tests/engine does); the OpenAI engine is stopped by then
+    (:func:`release_unused`).
     """
     for item in items:
         if set(ENGINE_FIXTURES) & set(getattr(item, "fixturenames", ())):
@@ -50,7 +52,7 @@ def mark_engine_items(items: list[pytest.Item]) -> None:
     if stoppers:
         rest = [it for it in items if it.get_closest_marker("stops_engine") is None]
         users = [i for i, it in enumerate(rest)
-                 if "offline_engine" in getattr(it, "fixturenames", ())]
+                 if {"offline_engine", "openai_engine"} & set(getattr(it, "fixturenames", ()))]
         at = users[-1] + 1 if users else len(rest)
         items[:] = [*rest[:at], *stoppers, *rest[at:]]
     _items[:] = items

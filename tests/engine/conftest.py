@@ -26,7 +26,7 @@ from .common import BLOCK, ENGINE_TEST_TIMEOUT
 def pytest_configure(config: pytest.Config) -> None:
     config.addinivalue_line(
         "markers", "stops_engine: stops the shared offline engine (runs right after the "
-        "last other test using it, tests/engine_fixtures.py)")
+        "last other test using either engine, tests/engine_fixtures.py)")
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
