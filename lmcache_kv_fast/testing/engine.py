@@ -34,6 +34,7 @@ import torch
 from lmcache_kv_fast.testing.engine_proc import (
     KEEP_LOGS_ENV,
     REPO_ROOT,
+    ChildOwner,
     EngineChild,
     EngineChildError,
     child_env,
@@ -77,7 +78,7 @@ def _connector_config(lmcache_port: int, host: str = "tcp://127.0.0.1") -> dict[
     }
 
 
-class OfflineEngine:
+class OfflineEngine(ChildOwner):
     """``vllm.LLM`` (offline) in an engine-venv child process.
 
     Args:
@@ -101,21 +102,8 @@ class OfflineEngine:
         }, name="vllm-offline", start_timeout=start_timeout)
         self.info: dict[str, Any] = {}
 
-    def start(self) -> OfflineEngine:
-        """Start the engine (blocks until it is ready)."""
-        self._child.start()
-        self.info = dict(self._child.ready_info or {})
-        return self
-
-    def stop(self) -> None:
-        """Stop the engine and its processes (idempotent)."""
-        self._child.stop()
-
-    def __enter__(self) -> OfflineEngine:
-        return self.start()
-
-    def __exit__(self, *exc: object) -> None:
-        self.stop()
+    def _ready(self, info: dict[str, Any]) -> None:
+        self.info = info
 
     @property
     def isa(self) -> list[str]:

@@ -29,7 +29,7 @@ import subprocess
 import tempfile
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, Self
 
 logger = logging.getLogger(__name__)
 
@@ -270,3 +270,32 @@ class EngineChild:
             return ""
         lines = self.log_path.read_text(errors="replace").splitlines()
         return "\n".join(lines[-n:])
+
+
+class ChildOwner:
+    """``start`` / ``stop`` / ``with`` of an object whose work runs in one :class:`EngineChild`.
+
+    A subclass sets ``self._child`` in its constructor and overrides :meth:`_ready` to keep
+    what the child's ``ready`` reply says.
+    """
+
+    _child: EngineChild
+
+    def start(self) -> Self:
+        """Start the child and wait until it is ready (stopped again if it fails)."""
+        self._child.start()
+        self._ready(dict(self._child.ready_info or {}))
+        return self
+
+    def _ready(self, info: dict[str, Any]) -> None:
+        """Keep what the child's ``ready`` reply says (nothing by default)."""
+
+    def stop(self) -> None:
+        """Stop the child and its processes (idempotent)."""
+        self._child.stop()
+
+    def __enter__(self) -> Self:
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()

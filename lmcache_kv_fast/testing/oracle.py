@@ -16,10 +16,10 @@ from typing import Any
 
 import torch
 
-from lmcache_kv_fast.testing.engine_proc import EngineChild
+from lmcache_kv_fast.testing.engine_proc import ChildOwner, EngineChild
 
 
-class TransformersOracle:
+class TransformersOracle(ChildOwner):
     """``AutoModelForCausalLM`` on the model directory, in float32 by default.
 
     Args:
@@ -34,21 +34,8 @@ class TransformersOracle:
                                   name="hf-oracle", start_timeout=start_timeout)
         self.info: dict[str, Any] = {}
 
-    def start(self) -> TransformersOracle:
-        """Load the model in the child."""
-        self._child.start()
-        self.info = dict(self._child.ready_info or {})
-        return self
-
-    def stop(self) -> None:
-        """Stop the child (idempotent)."""
-        self._child.stop()
-
-    def __enter__(self) -> TransformersOracle:
-        return self.start()
-
-    def __exit__(self, *exc: object) -> None:
-        self.stop()
+    def _ready(self, info: dict[str, Any]) -> None:
+        self.info = info
 
     def kv(self, tokens: list[int]) -> torch.Tensor:
         """K/V of ``tokens`` from one forward pass: ``[2, L, T, NH*HS]`` float32."""

@@ -20,7 +20,7 @@ from typing import Any
 
 import torch
 
-from lmcache_kv_fast.testing.engine_proc import EngineChild
+from lmcache_kv_fast.testing.engine_proc import ChildOwner, EngineChild
 
 __all__ = ["QUERY_SERVER_ARGS", "QueryExporter"]
 
@@ -29,7 +29,7 @@ __all__ = ["QUERY_SERVER_ARGS", "QueryExporter"]
 QUERY_SERVER_ARGS = ("--enable", "transfer_query")
 
 
-class QueryExporter:
+class QueryExporter(ChildOwner):
     """A child process that registers a model's KV cache and query ring and stores into them.
 
     Args:
@@ -68,21 +68,9 @@ class QueryExporter:
         """``num_q_heads * head_size``."""
         return self.num_q_heads * self.head_size
 
-    def start(self) -> QueryExporter:
-        """Start the child; it registers the KV cache and the query ring."""
-        self._child.start()
-        self.instance_id = int((self._child.ready_info or {}).get("instance_id", 0))
-        return self
-
-    def stop(self) -> None:
-        """Unregister and stop the child (idempotent)."""
-        self._child.stop()
-
-    def __enter__(self) -> QueryExporter:
-        return self.start()
-
-    def __exit__(self, *exc: object) -> None:
-        self.stop()
+    def _ready(self, info: dict[str, Any]) -> None:
+        # the child registered the KV cache and the query ring; it unregisters on stop
+        self.instance_id = int(info.get("instance_id", 0))
 
     def random_query(self, tokens: int, seed: int) -> torch.Tensor:
         """A ``[L, tokens, HQ·HS]`` query tensor of the model's dtype."""
