@@ -138,7 +138,7 @@ def _check_text(value: Any, what: str) -> str:
 
 
 def check_salt(cache_salt: Any) -> str:
-    """Validate ``cache_salt`` like the server does (doc §4.1), before anything is sent.
+    """Validate ``cache_salt`` like the server does (docs/protocol.md §4.1), before anything is sent.
 
     Raises:
         InvalidTypeError: Not a str (a subclass of str is refused too).
@@ -159,7 +159,7 @@ def check_salt(cache_salt: Any) -> str:
 
 
 def check_request_configs(request_configs: Any) -> dict[str, Any] | None:
-    """Validate per-request ``request_configs`` (passed through in every key, doc §4.1).
+    """Validate per-request ``request_configs`` (passed through in every key, docs/protocol.md §4.1).
 
     Raises:
         InvalidTypeError: Not None or a dict with str keys of msgpack-encodable values.

@@ -9,7 +9,7 @@
   :mod:`~lmcache_kv_fast.layout.decoded` (the decoded types).
 * :mod:`~lmcache_kv_fast.layout.kvlayout` — :class:`KVLayout`, the whole-model
   geometry the user works with.
-* :mod:`~lmcache_kv_fast.layout.engine_groups` — engine-group helpers (§4.6).
+* :mod:`~lmcache_kv_fast.layout.engine_groups` — engine-group helpers (docs/protocol.md §4.6).
 * :mod:`~lmcache_kv_fast.layout.hf_config` — KV geometry from a model's ``config.json``
   (:meth:`KVLayout.from_hf_config`).
 * :mod:`~lmcache_kv_fast.layout.cpu_engine` — a CPU vLLM engine's raw KV rows <-> per-token
