@@ -137,12 +137,7 @@ class OfflineEngine(ChildOwner):
 
     def read_blocks(self, block_ids: list[int]) -> torch.Tensor:
         """Copy of the engine's paged KV of ``block_ids``: ``[L, nb, NH, BS, 2*HS]``."""
-        path = self._child.tmp_path(f"blocks-{time.monotonic_ns()}.pt")
-        self._child.call("read_blocks", block_ids=[int(b) for b in block_ids], path=str(path))
-        try:
-            return torch.load(path)
-        finally:
-            path.unlink(missing_ok=True)
+        return self._child.call_load("read_blocks", block_ids=[int(b) for b in block_ids])
 
     def reset_prefix_cache(self) -> bool:
         """Drop vLLM's local prefix cache (later hits can only come from LMCache)."""
@@ -159,12 +154,7 @@ class OfflineEngine(ChildOwner):
             ``{"machine": {...}, "cases": [{..., "k", "v", "cache"} or {..., "error"}]}``
             with ``k``/``v`` ``[T, NH, HS]`` and ``cache`` ``[NB, NH, BS, 2*HS]``.
         """
-        path = self._child.tmp_path(f"probe-{time.monotonic_ns()}.pt")
-        self._child.call("kernel_probe", cases=cases, path=str(path))
-        try:
-            return torch.load(path)
-        finally:
-            path.unlink(missing_ok=True)
+        return self._child.call_load("kernel_probe", cases=cases)
 
     def metrics(self) -> dict[str, float]:
         """The prefix-cache counters of vLLM (local and external)."""

@@ -234,6 +234,38 @@ class EngineChild:
             raise EngineChildError(f"{self.name}: not running")
         return self.tmp_dir / name
 
+    def call_load(self, op: str, timeout: float = 300.0, **args: Any) -> Any:
+        """Run ``op`` with ``path=`` a fresh file; return what the child saved there.
+
+        The child ``torch.save``-s its result to ``path``; the file is removed afterwards.
+        """
+        import torch
+
+        path = self.tmp_path(f"{op}-{time.monotonic_ns()}.pt")
+        try:
+            self.call(op, timeout, path=str(path), **args)
+            return torch.load(path)
+        finally:
+            path.unlink(missing_ok=True)
+
+    def call_send(self, op: str, tensor: Any, key: str = "path", timeout: float = 300.0,
+                  **args: Any) -> Any:
+        """Run ``op`` with ``tensor`` saved to a fresh file passed as ``args[key]``.
+
+        ``tensor`` may be None: then ``args[key]`` is None and no file is written. The
+        file is removed afterwards.
+        """
+        if tensor is None:
+            return self.call(op, timeout, **{key: None}, **args)
+        import torch
+
+        path = self.tmp_path(f"{op}-{time.monotonic_ns()}.pt")
+        try:
+            torch.save(tensor.contiguous(), path)
+            return self.call(op, timeout, **{key: str(path)}, **args)
+        finally:
+            path.unlink(missing_ok=True)
+
     def _read_reply(self, rid: int, timeout: float, what: str) -> Any:
         assert self.proc is not None and self.proc.stdout is not None
         fd = self.proc.stdout.fileno()

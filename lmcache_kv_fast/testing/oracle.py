@@ -10,7 +10,6 @@ engine's raw rows to.
 
 from __future__ import annotations
 
-import time
 from pathlib import Path
 from typing import Any
 
@@ -39,12 +38,7 @@ class TransformersOracle(ChildOwner):
 
     def kv(self, tokens: list[int]) -> torch.Tensor:
         """K/V of ``tokens`` from one forward pass: ``[2, L, T, NH*HS]`` float32."""
-        path = self._child.tmp_path(f"kv-{time.monotonic_ns()}.pt")
-        self._child.call("kv", tokens=[int(t) for t in tokens], path=str(path))
-        try:
-            return torch.load(path)
-        finally:
-            path.unlink(missing_ok=True)
+        return self._child.call_load("kv", tokens=[int(t) for t in tokens])
 
     def next_logprobs(self, tokens: list[int], past_kv: torch.Tensor | None = None,
                       start_pos: int | None = None) -> torch.Tensor:
@@ -56,15 +50,6 @@ class TransformersOracle(ChildOwner):
                 rotated at whatever positions it was computed for).
             start_pos: Position of ``tokens[0]`` (default P).
         """
-        past_path = None
-        if past_kv is not None:
-            past_path = self._child.tmp_path(f"past-{time.monotonic_ns()}.pt")
-            torch.save(past_kv.contiguous(), past_path)
-        try:
-            vec = self._child.call("next_logprobs", tokens=[int(t) for t in tokens],
-                                   past_path=None if past_path is None else str(past_path),
-                                   start_pos=start_pos)
-        finally:
-            if past_path is not None:
-                past_path.unlink(missing_ok=True)
+        vec = self._child.call_send("next_logprobs", past_kv, key="past_path",
+                                    tokens=[int(t) for t in tokens], start_pos=start_pos)
         return torch.tensor(vec, dtype=torch.float32)

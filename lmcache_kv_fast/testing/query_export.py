@@ -13,7 +13,6 @@ must run with ``--enable transfer_query --supported-transfer-mode auto``
 from __future__ import annotations
 
 import sys
-import time
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -78,13 +77,8 @@ class QueryExporter(ChildOwner):
         return torch.randn(self.num_layers, tokens, self.query_width, generator=g).to(self.dtype)
 
     def _send(self, op: str, tokens: Sequence[int], t: torch.Tensor, salt: str) -> bool:
-        path = self._child.tmp_path(f"{op}-{time.monotonic_ns()}.pt")
-        torch.save(t.contiguous(), path)
-        try:
-            return bool(self._child.call(op, 120.0, tokens=[int(x) for x in tokens],
-                                         path=str(path), cache_salt=salt))
-        finally:
-            path.unlink(missing_ok=True)
+        return bool(self._child.call_send(op, t, timeout=120.0, tokens=[int(x) for x in tokens],
+                                          cache_salt=salt))
 
     def store_query(self, tokens: Sequence[int], q: torch.Tensor, cache_salt: str = "") -> bool:
         """Store ``q`` (``[L, T, HQ·HS]``, T a multiple of the chunk size) for ``tokens``."""
