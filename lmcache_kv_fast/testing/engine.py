@@ -41,6 +41,7 @@ from lmcache_kv_fast.testing.engine_proc import (
     engine_python,
     stop_group,
 )
+from lmcache_kv_fast.testing.logtail import log_tail
 from lmcache_kv_fast.testing.server import free_port
 
 logger = logging.getLogger(__name__)
@@ -303,9 +304,7 @@ class OpenAIEngine:
 
     def log_tail(self, n: int = 60) -> str:
         """The last ``n`` lines of the server log."""
-        if self.log_path is None or not self.log_path.exists():
-            return ""
-        return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-n:])
+        return log_tail(self.log_path, n)
 
     def metrics(self) -> dict[str, float]:
         """The prefix-cache counters of ``/metrics`` (local and external), summed over labels."""

@@ -31,6 +31,8 @@ import time
 from pathlib import Path
 from typing import Any, Self
 
+from lmcache_kv_fast.testing.logtail import log_tail
+
 logger = logging.getLogger(__name__)
 
 #: Environment variable naming the engine venv (default ``<repo>/.venv-engine``).
@@ -298,10 +300,7 @@ class EngineChild:
 
     def log_tail(self, n: int = 60) -> str:
         """The last ``n`` lines of the child's log."""
-        if self.log_path is None or not self.log_path.exists():
-            return ""
-        lines = self.log_path.read_text(errors="replace").splitlines()
-        return "\n".join(lines[-n:])
+        return log_tail(self.log_path, n)
 
 
 class ChildOwner:
