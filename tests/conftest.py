@@ -25,6 +25,7 @@ from typing import Any
 import pytest
 import torch
 from engine_fixtures import (  # noqa: F401 - fixtures shared by tests/engine and tests/sdk
+    engine_log_sections,
     engine_server,
     mark_engine_items,
     model_name,
@@ -59,6 +60,15 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
 def pytest_runtest_teardown(item: pytest.Item, nextitem: pytest.Item | None):
     yield
     release_unused(item)
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo):
+    outcome = yield
+    report = outcome.get_result()
+    if report.failed:
+        for title, text in engine_log_sections(item):
+            report.sections.append((title, text))
 
 
 def start_server(shm: bool, **kw: Any) -> Iterator[LMCacheServer]:

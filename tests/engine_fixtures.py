@@ -35,12 +35,25 @@ _items: list[pytest.Item] = []
 
 
 def mark_engine_items(items: list[pytest.Item]) -> None:
-    """Remember the run order; mark every test that uses an engine fixture."""
-    _items[:] = items
+    """Mark every test that uses an engine fixture; order the engine stoppers; remember the
+    run order.
+
+    A test marked ``stops_engine`` stops the shared offline engine, so it runs right after
+    the last other test that uses that engine, wherever that test lives (tests/sdk uses
+    the engine after tests/engine does).
+    """
     for item in items:
         if set(ENGINE_FIXTURES) & set(getattr(item, "fixturenames", ())):
             item.add_marker(pytest.mark.engine)
             item.add_marker(pytest.mark.timeout(ENGINE_TEST_TIMEOUT))
+    stoppers = [it for it in items if it.get_closest_marker("stops_engine") is not None]
+    if stoppers:
+        rest = [it for it in items if it.get_closest_marker("stops_engine") is None]
+        users = [i for i, it in enumerate(rest)
+                 if "offline_engine" in getattr(it, "fixturenames", ())]
+        at = users[-1] + 1 if users else len(rest)
+        items[:] = [*rest[:at], *stoppers, *rest[at:]]
+    _items[:] = items
 
 
 def release_unused(item: pytest.Item) -> None:
@@ -57,6 +70,21 @@ def release_unused(item: pytest.Item) -> None:
     for name in ("oracle", "openai_engine", "offline_engine", "engine_server"):
         if name in _live and name not in later:
             _live.pop(name).stop()
+
+
+def engine_log_sections(item: pytest.Item) -> list[tuple[str, str]]:
+    """The tails of the logs of the shared engines ``item`` uses (added to its failure
+    report: an engine that died mid-test says why only there)."""
+    out = []
+    for name in ("openai_engine", "offline_engine"):
+        obj = _live.get(name)
+        if obj is None or name not in getattr(item, "fixturenames", ()):
+            continue
+        tail_fn = getattr(obj, "log_tail", None) or getattr(getattr(obj, "_child", None),
+                                                             "log_tail", None)
+        if tail_fn is not None:
+            out.append((f"{name} log (last 150 lines)", tail_fn(150)))
+    return out
 
 
 def _hold(name: str, obj: Any) -> Iterator[Any]:

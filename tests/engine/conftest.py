@@ -25,22 +25,16 @@ from .common import BLOCK, ENGINE_TEST_TIMEOUT
 
 def pytest_configure(config: pytest.Config) -> None:
     config.addinivalue_line(
-        "markers", "stops_engine: stops the shared offline engine (run after every other "
-        "engine test)")
-
+        "markers", "stops_engine: stops the shared offline engine (runs right after the "
+        "last other test using it, tests/engine_fixtures.py)")
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     here = Path(__file__).parent
-    mine = [i for i, item in enumerate(items) if here in Path(str(item.fspath)).parents]
-    for i in mine:
-        items[i].add_marker(pytest.mark.engine)
-        items[i].add_marker(pytest.mark.timeout(ENGINE_TEST_TIMEOUT))
-    # within this package, the tests that stop the shared engine go last (stable otherwise)
-    ordered = sorted((items[i] for i in mine),
-                     key=lambda it: it.get_closest_marker("stops_engine") is not None)
-    for i, item in zip(mine, ordered, strict=True):
-        items[i] = item
+    for item in items:
+        if here in Path(str(item.fspath)).parents:
+            item.add_marker(pytest.mark.engine)
+            item.add_marker(pytest.mark.timeout(ENGINE_TEST_TIMEOUT))
 
 
 @pytest.fixture(scope="package")
