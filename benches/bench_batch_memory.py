@@ -2,15 +2,17 @@
 
 Not part of CI. Starts a real SHM server, seeds ``--sequences`` prompts one at a time
 (``store_many`` over a generator, so seeding keeps at most one KV alive), then rewrites them
-all (drop every 10th token, ``fn`` using rewrite's ``alloc``) while a sampler thread reads
-the process's private RSS (``RssAnon``) every 5 ms. Prints the RSS before the batch, the
-peak during it, and the peak growth in units of one sequence's KV, for each batch length
-given, in one process:
+all (drop every 10th token; ``--edit alloc``: ``fn`` writes into rewrite's ``alloc``;
+``plain``: ``kv.index_select`` into a fresh tensor, pooled by rewrite) while a sampler
+thread reads the process's private RSS (``RssAnon``) every 5 ms. Prints the RSS before the
+batch, the peak during it, and the peak growth in units of one sequence's KV, for each
+edit and batch length given, in one process:
 
-    .venv/bin/python benches/bench_batch_memory.py --sequences 8,32,96 --layers 8
+    .venv/bin/python benches/bench_batch_memory.py --sequences 8,32,64 --layers 8
 
-A bounded batch shows the same growth for every length (about two KVs per sequence being
-worked on: the retrieved one and the edit, plus the kept pools), far below the batch.
+A bounded batch shows the same growth for every length (at most ``max_in_flight``
+sequences alive, each holding its retrieved KV and its edit, plus the kept pools), far
+below the batch.
 """
 
 from __future__ import annotations
@@ -68,9 +70,20 @@ class PeakSampler:
         self.peak = max(self.peak, rss_bytes())
 
 
+def drop_every_10th(kv: torch.Tensor, tokens: list[int]) -> tuple[torch.Tensor, list[int]]:
+    """The plain edit: a fresh output tensor every call."""
+    keep = [i for i in range(len(tokens)) if i % 10 != 9]
+    return kv.index_select(2, torch.tensor(keep)), [tokens[i] for i in keep]
+
+
 def trim() -> None:
-    """Collect garbage and give freed heap memory back to the OS."""
+    """Collect garbage; give freed heap memory and the idle warm buffers back to the OS.
+
+    Every batch then starts with no pooled buffers, so its growth is its whole working set
+    (a later batch would reuse what the pool kept instead of growing).
+    """
     gc.collect()
+    batch.release_buffers()
     try:
         ctypes.CDLL(None).malloc_trim(0)
     except (OSError, AttributeError):
@@ -79,11 +92,12 @@ def trim() -> None:
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--sequences", default="8,32,96", help="batch lengths, comma-separated")
+    ap.add_argument("--sequences", default="8,32,64", help="batch lengths, comma-separated")
     ap.add_argument("--tokens", type=int, default=2048)
     ap.add_argument("--layers", type=int, default=8)
-    ap.add_argument("--max-in-flight", type=int, default=batch.DEFAULT_MAX_IN_FLIGHT)
+    ap.add_argument("--max-in-flight", type=int, default=batch.REWRITE_MAX_IN_FLIGHT)
     ap.add_argument("--l1-gb", type=float, default=12.0)
+    ap.add_argument("--edit", default="alloc,plain", help="edits to run: alloc, plain")
     args = ap.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     lengths = [int(x) for x in args.sequences.split(",")]
@@ -95,7 +109,11 @@ def main() -> int:
                              head_size=128)
         with kvcache.connect(srv.url, srv.http_url, "mem", timeout=60) as ctx:
             rows = []
-            for n in lengths:
+            edits = {
+                "alloc": lambda kv, t, *, alloc: drop_every_kth(kv, t, 10, alloc=alloc),
+                "plain": drop_every_10th,
+            }
+            for edit, n in ((e, n) for e in args.edit.split(",") for n in lengths):
                 ctx.clear(force=True)
                 rng = random.Random(n)
                 prompts = [[rng.randrange(0, 100_000) for _ in range(args.tokens)]
@@ -113,22 +131,23 @@ def main() -> int:
                 before = rss_bytes()
                 t0 = time.perf_counter()
                 with PeakSampler() as peak:
-                    rep = batch.rewrite(
-                        ctx, prompts,
-                        lambda kv, t, *, alloc: drop_every_kth(kv, t, 10, alloc=alloc),
-                        max_in_flight=args.max_in_flight, progress=False)
+                    rep = batch.rewrite(ctx, prompts, edits[edit],
+                                        max_in_flight=args.max_in_flight, progress=False)
                 dt = time.perf_counter() - t0
                 assert rep.ok == n, rep.summary()
                 growth = peak.peak - before
-                rows.append((n, before, peak.peak, growth, dt))
-                logger.info("%4d sequences (%.2f GiB of KV): RSS before %.0f MiB, peak %.0f MiB, "
-                            "growth %.0f MiB = %.2f x one KV; %.2f s", n, n * kv_bytes / 2**30,
+                rows.append((edit, n, before, peak.peak, growth, dt))
+                logger.info("%-5s %4d sequences (%.2f GiB of KV): RSS before %.0f MiB, peak "
+                            "%.0f MiB, growth %.0f MiB = %.2f x one KV; %.2f s", edit, n,
+                            n * kv_bytes / 2**30,
                             before / 2**20, peak.peak / 2**20, growth / 2**20,
                             growth / kv_bytes, dt)
                 trim()
-    spread = max(r[3] for r in rows) - min(r[3] for r in rows)
-    logger.info("growth spread across lengths: %.0f MiB (%.2f x one KV)", spread / 2**20,
-                spread / kv_bytes)
+    for edit in args.edit.split(","):
+        growths = [r[4] for r in rows if r[0] == edit]
+        spread = max(growths) - min(growths)
+        logger.info("%s: growth spread across lengths: %.0f MiB (%.2f x one KV)", edit,
+                    spread / 2**20, spread / kv_bytes)
     return 0
 
 

@@ -16,6 +16,7 @@ from lmcache_kv_fast.errors import (
     LMCacheSDKError,
     ProtocolError,
     ServerTimeoutError,
+    ServerUnavailableError,
 )
 from lmcache_kv_fast.kvcache import close, connect, lookup, retrieve, store, store_ex
 from lmcache_kv_fast.layout import KVLayout
@@ -33,6 +34,7 @@ __all__ = [
     "OpTiming",
     "ProtocolError",
     "ServerTimeoutError",
+    "ServerUnavailableError",
     "StoreResult",
     "__version__",
     "backend",

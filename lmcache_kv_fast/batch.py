@@ -1,14 +1,16 @@
 """High-throughput batch KV rewriting: pipelined ``retrieve_many`` / ``store_many`` / ``rewrite``.
 
-Every item runs the ordinary context flows; a small pool of worker threads (each with its
-own DEALER socket, so several requests are in flight on the connection at once) overlaps
-the RPC round trips of some sequences with the copies and the user's ``fn`` of others
-(``rewrite`` uses one worker on machines of <= 3 cores, where each sequence's copies and
-edit already use every core). At most ``max_in_flight`` items are alive at any time, so
-memory stays bounded by ``max_in_flight × largest KV`` whatever the batch length;
-retrieved KV is read into a pool of reused buffers, and an ``fn`` that accepts ``alloc``
-gets reused, pre-faulted output buffers too (no page faults on fresh memory, which
-otherwise cost more than a cheap edit).
+Every item runs the ordinary context flows on a few worker threads (each with its own
+DEALER socket, so several requests are in flight on the connection at once), overlapping
+the RPC round trips and copies of some sequences with those of others. At most
+``max_in_flight`` items are alive at any time, so memory stays bounded by
+``max_in_flight × largest KV`` whatever the batch length.
+
+``rewrite`` runs on :class:`~lmcache_kv_fast.rewrite_engine.RewriteEngine`: retrieves and
+stores on I/O threads, the user's ``fn`` on its own edit thread (the edit of one sequence
+overlaps the store of the previous one and the retrieve of the next), with large op
+outputs of ``fn`` served from the warm result pool (no page faults on fresh memory, which
+otherwise cost more than a cheap edit; :mod:`lmcache_kv_fast.edit_policy`).
 
 Errors of one item (miss, refused store, ``fn`` raising) are recorded in the
 :class:`BatchReport` with the item's index and reason; the batch goes on. A
@@ -20,263 +22,79 @@ from __future__ import annotations
 
 import collections
 import concurrent.futures as cf
-import inspect
 import logging
-import threading
 import time
 from collections.abc import Callable, Iterable, Iterator, Sequence
-from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
-from lmcache_kv_fast.context import LMCacheKVCacheContext, normalize_tokens, usable_cores
-from lmcache_kv_fast.errors import InvalidArgumentError, InvalidTypeError, KVCacheSDKError
+from lmcache_kv_fast.batch_core import (
+    BatchReport,
+    ItemError,
+    ItemResult,
+    account_store,
+    check_common,
+    item_failed,
+    length_of,
+    nbytes,
+)
+from lmcache_kv_fast.batch_core import Progress as _Progress
+from lmcache_kv_fast.batch_pools import BufferPool, OutputPool
+from lmcache_kv_fast.context import LMCacheKVCacheContext
+from lmcache_kv_fast.rewrite_engine import REWRITE_DEFAULT_MAX_IN_FLIGHT, RewriteEngine, accepts_alloc
 
 logger = logging.getLogger(__name__)
 
 ModifyFn = Callable[[torch.Tensor, Sequence[int]], tuple[torch.Tensor, Sequence[int]]]
 DEFAULT_MAX_IN_FLIGHT = 3
+#: rewrite's default: a sequence being stored, one being edited and one being retrieved
+#: need two alive (a retrieve starts when a store ends); a third cost 1.5x the memory
+#: for 0.96x [0.91-1.15] of the time (6 paired reps, 2 cores).
+REWRITE_MAX_IN_FLIGHT = REWRITE_DEFAULT_MAX_IN_FLIGHT
+
+# names kept for code written against earlier versions of this module
+_ItemResult = ItemResult
+_accepts_alloc = accepts_alloc
+_fail = item_failed
+_len = length_of
+_nbytes = nbytes
+_check_common = check_common
+_account_store = account_store
+
+__all__ = [
+    "DEFAULT_MAX_IN_FLIGHT",
+    "REWRITE_MAX_IN_FLIGHT",
+    "BatchReport",
+    "BufferPool",
+    "ItemError",
+    "ModifyFn",
+    "OutputPool",
+    "release_buffers",
+    "retrieve_many",
+    "rewrite",
+    "store_many",
+]
 
 
-@dataclass
-class ItemError:
-    """One failed or missed item of a batch."""
+def release_buffers() -> int:
+    """Unmap the idle warm buffers the native core keeps for reuse; return their bytes.
 
-    index: int
-    stage: str
-    reason: str
-
-
-@dataclass
-class BatchReport:
-    """What a batch did.
-
-    Attributes:
-        items: Items processed.
-        ok: Items fully done (retrieved / stored / rewritten).
-        missed: Items with nothing cached to retrieve.
-        failed: Items that failed (refused store, ``fn`` raised, server error).
-        cancelled: Items not started because the batch was interrupted.
-        tokens_moved: Tokens retrieved plus tokens stored.
-        bytes_moved: KV bytes retrieved plus stored.
-        seconds: Wall time of the batch.
-        stage_seconds: Summed per-stage time over items: ``retrieve``, ``fn``, ``store``
-            (each includes its RPCs and copies; ``copy`` is the copy share of both).
-        errors: One :class:`ItemError` per missed/failed item.
-        peak_in_flight: Most items alive at once.
+    Retrieve results and ``rewrite``'s buffers and pooled edit outputs go back to a
+    process-wide pool when their last tensor dies, so the next retrieve or batch finds
+    them faulted in. The pool keeps at most ``LMCACHE_KV_FAST_RESULT_POOL_MB`` (default
+    min(4 GiB, RAM / 8)) of idle buffers; this gives them all back to the OS now (a no-op
+    with the torch backend).
     """
+    from lmcache_kv_fast.copy.select import backend
 
-    items: int = 0
-    ok: int = 0
-    missed: int = 0
-    failed: int = 0
-    cancelled: int = 0
-    tokens_moved: int = 0
-    bytes_moved: int = 0
-    seconds: float = 0.0
-    stage_seconds: dict[str, float] = field(default_factory=lambda: collections.defaultdict(float))
-    errors: list[ItemError] = field(default_factory=list)
-    peak_in_flight: int = 0
+    if backend().NAME != "native":
+        return 0
+    from lmcache_kv_fast import _native
 
-    @property
-    def gbps(self) -> float:
-        """KV gigabytes per second moved over the batch."""
-        return self.bytes_moved / self.seconds / 1e9 if self.seconds > 0 else 0.0
-
-    def summary(self) -> str:
-        """One human-readable paragraph."""
-        stages = ", ".join(f"{k} {v:.2f}s" for k, v in sorted(self.stage_seconds.items()))
-        return (
-            f"{self.items} items: {self.ok} ok, {self.missed} missed, {self.failed} failed"
-            f"{f', {self.cancelled} cancelled' if self.cancelled else ''}; "
-            f"{self.tokens_moved} tokens, {self.bytes_moved / 2**20:.1f} MiB in "
-            f"{self.seconds:.2f}s ({self.gbps:.2f} GB/s); stages: {stages}; "
-            f"peak in flight {self.peak_in_flight}"
-        )
-
-    def _add(self, other: _ItemResult) -> None:
-        self.items += 1
-        self.tokens_moved += other.tokens
-        self.bytes_moved += other.nbytes
-        for k, v in other.stages.items():
-            self.stage_seconds[k] += v
-        if other.status == "ok":
-            self.ok += 1
-        else:
-            if other.status == "missed":
-                self.missed += 1
-            else:
-                self.failed += 1
-            self.errors.append(ItemError(other.index, other.stage, other.reason))
-
-
-@dataclass
-class _ItemResult:
-    index: int
-    status: str = "ok"  # ok | missed | failed
-    stage: str = ""
-    reason: str = ""
-    tokens: int = 0
-    nbytes: int = 0
-    stages: dict[str, float] = field(default_factory=dict)
-    value: Any = None
-
-
-class BufferPool:
-    """A bounded pool of reusable, pre-touched KV buffers of one shape.
-
-    ``retrieve_many(..., out_pool=BufferPool(ctx, max_tokens, n))`` reads each sequence into a
-    pooled buffer; the yielded tensor is a view of it, valid until the iterator advances.
-
-    Args:
-        ctx: The context (gives shape and dtype).
-        max_tokens: Largest sequence the buffers must hold.
-        size: Number of buffers (at least the batch's ``max_in_flight``).
-    """
-
-    def __init__(self, ctx: LMCacheKVCacheContext, max_tokens: int, size: int) -> None:
-        if not isinstance(ctx, LMCacheKVCacheContext):
-            raise InvalidTypeError(
-                f"BufferPool: ctx must be an LMCacheKVCacheContext, got {type(ctx).__name__}"
-            )
-        ctx._check_process()
-        for name, v in (("max_tokens", max_tokens), ("size", size)):
-            if type(v) is not int:
-                raise InvalidTypeError(
-                    f"BufferPool: {name} must be an int, got {type(v).__name__} {v!r:.40}"
-                )
-            if v < 1:
-                raise InvalidArgumentError(f"BufferPool: {name} must be >= 1, got {v}")
-        self.shape = ctx.kv_shape(max_tokens)
-        self._free: collections.deque[torch.Tensor] = collections.deque()
-        for _ in range(size):
-            t = torch.empty(self.shape, dtype=ctx.dtype)
-            t.view(-1).view(torch.uint8)[:: 4096].zero_()  # fault the pages in once
-            self._free.append(t)
-        self._cv = threading.Condition()
-        self.size = size
-
-    def acquire(self) -> torch.Tensor:
-        """Take a buffer (blocks until one is free)."""
-        with self._cv:
-            self._cv.wait_for(lambda: bool(self._free))
-            return self._free.popleft()
-
-    def release(self, t: torch.Tensor) -> None:
-        """Give a buffer back."""
-        with self._cv:
-            self._free.append(t)
-            self._cv.notify()
-
-
-class OutputPool:
-    """Reused, pre-faulted output memory for ``fn`` (``rewrite(..., fn)`` with ``alloc``).
-
-    A fresh large tensor costs a page fault per 4 KiB the first time it is written (often
-    more than the edit itself: ~50 ms of a 75 ms token drop over 256 MiB here). The pool
-    hands out views of byte buffers it keeps warm; every buffer an item took comes back
-    once that item's store has finished. At most ``keep`` idle buffers are kept.
-
-    Args:
-        keep: Idle buffers kept for reuse (others are freed).
-    """
-
-    def __init__(self, keep: int) -> None:
-        self._free: list[torch.Tensor] = []
-        self._lock = threading.Lock()
-        self._keep = max(1, keep)
-        self.allocated = 0  # buffers created (pool misses)
-
-    def alloc(self, shape: Sequence[int], dtype: torch.dtype, taken: list[torch.Tensor]
-              ) -> torch.Tensor:
-        """A contiguous tensor of ``shape``/``dtype`` (content undefined), recorded in ``taken``."""
-        shape = tuple(int(d) for d in shape)
-        if any(d < 0 for d in shape):
-            raise InvalidArgumentError(f"alloc: negative dimension in shape {shape}")
-        if not isinstance(dtype, torch.dtype):
-            raise InvalidArgumentError(f"alloc: dtype must be a torch.dtype, got {dtype!r}")
-        numel = 1
-        for d in shape:
-            numel *= d
-        nbytes = numel * torch.empty((), dtype=dtype).element_size()
-        buf = None
-        with self._lock:
-            fits = [b for b in self._free if b.numel() >= nbytes]
-            if fits:
-                buf = min(fits, key=lambda b: b.numel())
-                self._free.remove(buf)
-        if buf is None:
-            buf = torch.empty(max(nbytes, 1), dtype=torch.uint8)
-            buf[::4096].zero_()  # fault the pages in once; later items reuse them warm
-            self.allocated += 1
-        taken.append(buf)
-        return buf[:nbytes].view(dtype).view(shape)
-
-    def give_back(self, taken: list[torch.Tensor]) -> None:
-        """Return an item's buffers (after its store read them)."""
-        with self._lock:
-            for b in taken:
-                self._free.append(b)
-            self._free.sort(key=lambda b: -b.numel())
-            del self._free[self._keep:]
-        taken.clear()
-
-
-def _accepts_alloc(fn: Callable[..., Any]) -> bool:
-    """Whether ``fn`` takes an ``alloc`` keyword argument."""
-    try:
-        params = inspect.signature(fn).parameters
-    except (TypeError, ValueError):
-        return False
-    p = params.get("alloc")
-    return p is not None and p.kind in (inspect.Parameter.KEYWORD_ONLY,
-                                        inspect.Parameter.POSITIONAL_OR_KEYWORD)
-
-
-def _nbytes(t: torch.Tensor | None) -> int:
-    return 0 if t is None else t.numel() * t.element_size()
-
-
-def _check_common(ctx: Any, max_in_flight: int) -> None:
-    if not isinstance(ctx, LMCacheKVCacheContext):
-        raise InvalidArgumentError(f"ctx must be an LMCacheKVCacheContext, got {type(ctx).__name__}")
-    ctx._check_process()
-    if type(max_in_flight) is not int or max_in_flight < 1:
-        raise InvalidArgumentError(f"max_in_flight must be a positive int, got {max_in_flight!r}")
-
-
-class _Progress:
-    """tqdm when installed, else a log line every ~5 s."""
-
-    def __init__(self, total: int | None, desc: str, enabled: bool) -> None:
-        self._bar = None
-        self._n = 0
-        self._total = total
-        self._desc = desc
-        self._last = time.monotonic()
-        self.enabled = enabled
-        if enabled:
-            try:
-                from tqdm import tqdm
-
-                self._bar = tqdm(total=total, desc=desc, unit="seq", leave=False)
-            except ImportError:
-                self._bar = None
-
-    def update(self) -> None:
-        self._n += 1
-        if not self.enabled:
-            return
-        if self._bar is not None:
-            self._bar.update(1)
-        elif time.monotonic() - self._last > 5.0:
-            self._last = time.monotonic()
-            logger.info("%s: %d/%s sequences", self._desc, self._n, self._total or "?")
-
-    def close(self) -> None:
-        if self._bar is not None:
-            self._bar.close()
+    pooled = int(_native.result_pool_stats()["pooled_bytes"])
+    _native.result_pool_trim()
+    return pooled
 
 
 def _run_pipelined(
@@ -331,11 +149,6 @@ def _run_pipelined(
         pool.shutdown(wait=True, cancel_futures=True)
         report.seconds = time.perf_counter() - t0
         progress.close()
-
-
-def _fail(res: _ItemResult, stage: str, err: BaseException) -> _ItemResult:
-    res.status, res.stage, res.reason = "failed", stage, f"{type(err).__name__}: {err}"
-    return res
 
 
 def retrieve_many(
@@ -443,26 +256,6 @@ def store_many(
     return rep
 
 
-def _len(x: Any) -> int | None:
-    try:
-        return len(x)
-    except TypeError:
-        return None
-
-
-def _account_store(res: _ItemResult, kv: torch.Tensor, r: Any) -> None:
-    if r.ok:
-        res.tokens += r.tokens_stored
-        per_token = _nbytes(kv) // max(1, kv.shape[-2])
-        res.nbytes += per_token * r.chunks_written * (r.tokens_stored // max(1, r.chunks_total))
-    else:
-        res.status, res.stage = "failed", "store"
-        res.reason = (f"store incomplete: {r.chunks_written} written, "
-                      f"{r.chunks_already_cached} already cached, {r.chunks_refused} refused "
-                      f"of {r.chunks_total} chunks" if r.chunks_total else
-                      "fewer tokens than one chunk")
-
-
 def rewrite(
     ctx: LMCacheKVCacheContext,
     token_lists: Iterable[Sequence[int]],
@@ -470,123 +263,72 @@ def rewrite(
     cache_salt: str = "",
     *,
     workers: int | None = None,
-    max_in_flight: int = DEFAULT_MAX_IN_FLIGHT,
+    max_in_flight: int = REWRITE_MAX_IN_FLIGHT,
     progress: bool = True,
     reuse_buffers: bool = True,
+    pool_outputs: bool | None = None,
+    edit_threads: int | None = None,
 ) -> BatchReport:
     """Rewrite many sequences: retrieve, apply ``fn``, store the edit — pipelined.
 
     Each sequence is retrieved, ``fn(kv, tokens) -> (new_kv, new_tokens)`` is applied and the
-    result is stored under ``new_tokens``.
+    result is stored under ``new_tokens``. Retrieves and stores run on I/O threads, ``fn``
+    on one edit thread of its own (under the caller's grad / inference mode), so the edit
+    of one sequence overlaps the store of the previous and the retrieve of the next.
 
     ``fn`` gets the retrieved KV (``[2, L, hit, D]``) and the hit's tokens; it must not keep
-    a reference to ``kv`` (or to what it returns) after returning when ``reuse_buffers`` is
-    True: the buffers are reused for a later sequence once this one is stored. ``fn`` may
-    return a view of ``kv`` (e.g. an in-place edit narrowed to the kept tokens).
+    a reference to ``kv`` after returning when ``reuse_buffers`` is True: the retrieve
+    buffers are reused for a later sequence once this one is stored. ``fn`` may return a
+    view of ``kv`` (e.g. an in-place edit narrowed to the kept tokens).
+
+    Output memory (``pool_outputs``, default on with the native core): while ``fn`` runs,
+    the large (>= 2 MiB) fresh outputs of torch operators it calls (``index_select``,
+    ``cat``, ``clone``, ``.float()``, arithmetic, ...) are computed into buffers from the
+    context's pool of already-faulted result buffers instead of fresh memory, which
+    otherwise costs a page fault per 4 KiB (more than a cheap edit itself). Values, shapes,
+    strides and dtypes are those of the plain call; a buffer is reused only after the last
+    tensor over it died, so what ``fn`` keeps stays valid. Such outputs cannot be resized
+    beyond their size (an ``fn`` that does so is run again without the pool). Only the
+    edit thread is affected; ``pool_outputs=False`` or ``LMCACHE_KV_FAST_POOL_OUTPUTS=0``
+    turns it off.
 
     When ``fn`` accepts an ``alloc`` keyword, it is called as
     ``fn(kv, tokens, alloc=alloc)`` where ``alloc(shape, dtype)`` returns a contiguous
     tensor from a pool of reused, pre-faulted buffers (given back after the sequence is
-    stored). Writing the edit into such a tensor (``torch.index_select(..., out=...)``,
-    ``out.copy_(...)``) avoids a page fault per 4 KiB of fresh output, which otherwise
-    dominates a cheap edit of a large KV.
+    stored, so ``fn`` must not keep it).
 
     Args:
         ctx: Connected context.
         token_lists: Sequences to rewrite.
         fn: The edit (the shape of upstream's ``ModifyFnType`` for one KV tensor).
         cache_salt: Salt for reads and writes.
-        workers: Worker threads (default ``min(max_in_flight, 3, cores // 2)``, at least 1:
-            on a small machine the copies and the edit already use every core).
-        max_in_flight: Sequences alive at once (memory bound).
+        workers: I/O threads for retrieves and stores (default ``min(max_in_flight, 2)``).
+        max_in_flight: Sequences alive at once (memory bound: each holds its retrieved KV
+            and, once edited, the edit's output; default 2).
         progress: Show a progress bar (tqdm if installed, else log lines).
-        reuse_buffers: Read into a pool of reused buffers sized by the first sequences.
+        reuse_buffers: Read into a few reused buffers (from the warm result pool).
+        pool_outputs: See above (None: ``LMCACHE_KV_FAST_POOL_OUTPUTS``, else on).
+        edit_threads: torch intra-op threads of the edit thread, set on that thread only
+            (None: ``LMCACHE_KV_FAST_EDIT_THREADS``, else the caller's
+            ``torch.get_num_threads()``, at most the usable cores).
+
+    A server that dies (killed, frozen, unreachable) does not cost ``timeout`` per item:
+    after an item fails with a server error the server is pinged once, and when that gets
+    no answer the batch stops at once (nothing more is sent; started server calls end).
 
     Returns:
         The :class:`BatchReport`.
+
+    Raises:
+        ServerUnavailableError: The server was found gone mid-batch; ``err.report`` is the
+            report so far, with ``not_attempted`` / ``not_attempted_indices`` for the
+            items never started (apart from ``failed``).
     """
-    _check_common(ctx, max_in_flight)
-    if not callable(fn):
-        raise InvalidArgumentError(f"fn must be callable, got {type(fn).__name__}")
-    rep = BatchReport()
-    free: collections.deque[torch.Tensor] = collections.deque()
-    free_lock = threading.Lock()
-    out_pool = OutputPool(max_in_flight + 1) if _accepts_alloc(fn) else None
-
-    def take(tokens: int) -> torch.Tensor | None:
-        if not reuse_buffers:
-            return None
-        with free_lock:
-            for _ in range(len(free)):
-                t = free.popleft()
-                if t.shape[-2] >= tokens:
-                    return t
-                free.append(t)
-        return torch.empty(ctx.kv_shape(tokens), dtype=ctx.dtype)
-
-    def give(t: torch.Tensor | None) -> None:
-        if t is not None:
-            with free_lock:
-                if len(free) < max_in_flight:
-                    free.append(t)
-
-    def task(index: int, toks_in: Sequence[int]) -> _ItemResult:
-        res = _ItemResult(index)
-        try:
-            toks = normalize_tokens(toks_in)
-        except KVCacheSDKError as err:
-            return _fail(res, "retrieve", err)
-        whole = len(toks) // ctx.chunk_size * ctx.chunk_size
-        buf = take(whole) if whole else None
-        taken: list[torch.Tensor] = []
-        try:
-            t = time.perf_counter()
-            try:
-                kv = ctx.retrieve(toks, cache_salt, out=buf)
-            except Exception as err:
-                return _fail(res, "retrieve", err)
-            res.stages["retrieve"] = time.perf_counter() - t
-            if kv is None:
-                res.status, res.stage, res.reason = "missed", "retrieve", "nothing cached"
-                return res
-            hit = kv.shape[-2]
-            res.tokens, res.nbytes = hit, _nbytes(kv)
-            t = time.perf_counter()
-            try:
-                if out_pool is not None:
-                    new_kv, new_toks = fn(kv, toks[:hit], alloc=lambda shape, dtype=ctx.dtype:
-                                          out_pool.alloc(shape, dtype, taken))
-                else:
-                    new_kv, new_toks = fn(kv, toks[:hit])
-            except Exception as err:
-                return _fail(res, "fn", err)
-            res.stages["fn"] = time.perf_counter() - t
-            t = time.perf_counter()
-            try:
-                r = ctx.store_ex(new_kv, new_toks, cache_salt)
-            except Exception as err:
-                return _fail(res, "store", err)
-            res.stages["store"] = time.perf_counter() - t
-            _account_store(res, new_kv, r)
-            return res
-        finally:
-            give(buf)
-            if out_pool is not None:
-                out_pool.give_back(taken)
-
+    engine = RewriteEngine(ctx, fn, cache_salt, io_workers=workers,
+                           max_in_flight=max_in_flight, pool_outputs=pool_outputs,
+                           edit_threads=edit_threads, reuse_buffers=reuse_buffers,
+                           progress=progress, desc="rewrite")
     toks_list = token_lists if isinstance(token_lists, Sequence) else list(token_lists)
-    if workers is None:
-        # Each sequence's copies already use every core (native pool) and so does a torch
-        # edit: a second sequence in flight on <= 3 cores only contends for cores and
-        # memory bandwidth (measured: 1 worker 1.22-1.30 s, 2 workers 1.41-1.64 s, 3 workers
-        # 1.95-1.99 s for W3 on 2 cores). More cores overlap sequences.
-        workers = max(1, min(max_in_flight, 3, usable_cores() // 2))
-    elif type(workers) is not int or workers < 1:
-        raise InvalidArgumentError(f"workers must be a positive int, got {workers!r}")
-    for _ in _run_pipelined(enumerate(toks_list), task, workers=workers,
-                            max_in_flight=max_in_flight, report=rep,
-                            progress=_Progress(len(toks_list), "rewrite", progress),
-                            should_stop=lambda: ctx.closed):
-        pass
+    rep = engine.run(toks_list, total=len(toks_list))
     logger.info("rewrite: %s", rep.summary())
     return rep

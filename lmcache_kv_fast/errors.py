@@ -35,6 +35,18 @@ class ServerTimeoutError(KVCacheSDKError, TimeoutError):
     """
 
 
+class ServerUnavailableError(KVCacheSDKError, ConnectionError):
+    """The server is gone (killed, frozen, unreachable, or it forgot this client).
+
+    A batch raises it when an item failed (e.g. timed out) and the server then did not
+    answer one liveness ping: the whole batch stops at once instead of paying the timeout
+    per item. ``report`` is the batch's report at that point (items done, failed, and not
+    attempted), or None.
+    """
+
+    report: object | None = None
+
+
 class ProtocolError(KVCacheSDKError):
     """The server sent something this SDK refuses to act on (malformed or hostile reply)."""
 

@@ -1,13 +1,14 @@
 """A long-lived pipelined item engine over one context (one per actor / Ray Data worker).
 
-This is the **only** module of :mod:`lmcache_kv_fast.distributed` that touches
-:mod:`lmcache_kv_fast.batch` internals (``_ItemResult``, ``_account_store``,
-``_accepts_alloc``, ``_fail``, ``_nbytes``). Each item runs exactly the flow of
-``batch.rewrite`` / ``store_many`` / ``retrieve_many`` (same calls, same accounting), but
-items arrive over time from several callers (Ray calls) instead of from one iterable, and
-the buffers (retrieve buffers, ``alloc`` output pool) stay warm across calls. When
-``batch`` grows a reusable per-item engine (e.g. ``run_rewrite(ctx, items, fn,
-on_result=...)``), :meth:`ItemEngine._task` is the function to switch over.
+This is the **only** module of :mod:`lmcache_kv_fast.distributed` that touches batch
+internals (``ItemResult``, ``account_store``, ``item_failed``, ``nbytes``). Rewrite items
+run on the engine under ``batch.rewrite`` itself
+(:class:`~lmcache_kv_fast.rewrite_engine.RewriteEngine`, opened once and fed item by item
+with :meth:`~lmcache_kv_fast.rewrite_engine.RewriteEngine.submit`: I/O threads, the edit
+thread with pooled outputs, warm buffers across calls), with this module's store step
+(verification, hashes); store and retrieve items run the flow of ``store_many`` /
+``retrieve_many`` (same calls, same accounting) on a small thread pool. Items arrive over
+time from several callers (Ray calls) instead of from one iterable.
 
 On top of batch's per-item flow it adds what a fleet needs:
 
@@ -23,7 +24,6 @@ On top of batch's per-item flow it adds what a fleet needs:
 
 from __future__ import annotations
 
-import collections
 import concurrent.futures as cf
 import logging
 import threading
@@ -34,17 +34,14 @@ from typing import Any
 
 import torch
 
-from lmcache_kv_fast.batch import (
-    DEFAULT_MAX_IN_FLIGHT,
-    OutputPool,
-    _accepts_alloc,
-    _account_store,
-    _fail,
-    _ItemResult,
-    _nbytes,
-)
-from lmcache_kv_fast.context import LMCacheKVCacheContext, normalize_tokens, usable_cores
+from lmcache_kv_fast.batch import DEFAULT_MAX_IN_FLIGHT
+from lmcache_kv_fast.batch_core import ItemResult as _ItemResult
+from lmcache_kv_fast.batch_core import account_store as _account_store
+from lmcache_kv_fast.batch_core import item_failed as _fail
+from lmcache_kv_fast.batch_core import nbytes as _nbytes
+from lmcache_kv_fast.context import LMCacheKVCacheContext, normalize_tokens
 from lmcache_kv_fast.errors import InvalidArgumentError, KVCacheSDKError
+from lmcache_kv_fast.rewrite_engine import RewriteEngine
 
 logger = logging.getLogger(__name__)
 
@@ -86,17 +83,23 @@ def _outcome(res: _ItemResult, refused: int = 0) -> Outcome:
                    dict(res.stages), refused)
 
 
+def _no_fn(kv: Any, tokens: Any) -> Any:  # pragma: no cover - every rewrite item brings its fn
+    raise KVCacheSDKError("a rewrite item came without its fn")
+
+
 class ItemEngine:
     """Runs rewrite / store / retrieve items on one context, pipelined, from any thread.
 
-    At most ``max_in_flight`` items are alive at once (``submit`` blocks beyond that);
-    ``workers`` threads run them (default as in ``batch``: ``rewrite`` uses
-    ``min(max_in_flight, 3, cores // 2)``, at least 1; the others ``min(max_in_flight, 4)``).
+    At most ``max_in_flight`` items are alive at once (``submit`` blocks beyond that).
+    Rewrite items run on a :class:`~lmcache_kv_fast.rewrite_engine.RewriteEngine` (the
+    engine of ``batch.rewrite``: ``workers`` I/O threads, default ``min(max_in_flight, 2)``,
+    and one edit thread); store / retrieve items on ``workers`` threads (default
+    ``min(max_in_flight, 4)``).
 
     Args:
         ctx: A connected context (the engine does not close it).
         max_in_flight: Items alive at once (memory bound: ``max_in_flight × largest KV``).
-        workers: Worker threads (None: see above).
+        workers: I/O threads (None: see above).
         reuse_buffers: Read rewrite inputs into reused buffers.
     """
 
@@ -111,15 +114,10 @@ class ItemEngine:
         self.ctx = ctx
         self.max_in_flight = max_in_flight
         self._slots = threading.BoundedSemaphore(max_in_flight)
-        n_rw = workers or max(1, min(max_in_flight, 3, usable_cores() // 2))
         n_io = workers or min(max_in_flight, 4)
-        self._rw_pool = cf.ThreadPoolExecutor(n_rw, thread_name_prefix="lmckv-fleet-rw")
         self._io_pool = cf.ThreadPoolExecutor(n_io, thread_name_prefix="lmckv-fleet-io")
-        self._reuse = reuse_buffers
-        self._free: collections.deque[torch.Tensor] = collections.deque()
-        self._free_lock = threading.Lock()
-        self._out_pool = OutputPool(max_in_flight + 1)
-        self._fn_alloc: dict[int, bool] = {}
+        self._rw = RewriteEngine(ctx, _no_fn, max_in_flight=max_in_flight, io_workers=workers,
+                                 reuse_buffers=reuse_buffers).open()
         self._closed = False
 
     # ------------------------------------------------------------------ public
@@ -148,9 +146,13 @@ class ItemEngine:
         if self._closed:
             raise KVCacheSDKError("the item engine is closed")
         self._slots.acquire()
-        pool = self._rw_pool if op == "rewrite" else self._io_pool
         try:
-            fut = pool.submit(self._task, op, index, payload, fn, cache_salt, verify, want_hashes)
+            if op == "rewrite":
+                fut = self._submit_rewrite(index, payload, fn, cache_salt, verify,  # type: ignore[arg-type]
+                                           want_hashes)
+            else:
+                fut = self._io_pool.submit(self._task, op, index, payload, cache_salt, verify,
+                                           want_hashes)
         except BaseException:
             self._slots.release()
             raise
@@ -175,41 +177,34 @@ class ItemEngine:
     def close(self) -> None:
         """Wait for running items; stop the threads (the context stays open)."""
         self._closed = True
-        self._rw_pool.shutdown(wait=True)
+        self._rw.close()
         self._io_pool.shutdown(wait=True)
-        self._free.clear()
-
-    # ------------------------------------------------------------------ buffers
-    def _take(self, tokens: int) -> torch.Tensor | None:
-        if not self._reuse:
-            return None
-        with self._free_lock:
-            for _ in range(len(self._free)):
-                t = self._free.popleft()
-                if t.shape[-2] >= tokens:
-                    return t
-                self._free.append(t)
-        return torch.empty(self.ctx.kv_shape(tokens), dtype=self.ctx.dtype)
-
-    def _give(self, t: torch.Tensor | None) -> None:
-        if t is not None:
-            with self._free_lock:
-                if len(self._free) < self.max_in_flight:
-                    self._free.append(t)
-
-    def _accepts_alloc(self, fn: Callable[..., Any]) -> bool:
-        key = id(fn)
-        hit = self._fn_alloc.get(key)
-        if hit is None:
-            hit = self._fn_alloc[key] = _accepts_alloc(fn)
-        return hit
 
     # ------------------------------------------------------------------ items
-    def _task(self, op: str, index: int, payload: Any, fn: Callable[..., Any] | None,
-              salt: str, verify: bool, want_hashes: bool) -> Outcome:
+    def _submit_rewrite(self, index: int, toks: Any, fn: Callable[..., Any], salt: str,
+                        verify: bool, want_hashes: bool) -> cf.Future[Outcome]:
+        """One rewrite item on the rewrite engine, with this module's store step."""
+        def store(res: _ItemResult, kv: torch.Tensor, new_toks: Any, s: str) -> Outcome:
+            return self._store_checked(res, kv, new_toks, s, verify, want_hashes)
+
+        out: cf.Future[Outcome] = cf.Future()
+
+        def done(f: cf.Future[_ItemResult]) -> None:
+            err = f.exception()
+            if err is not None:  # an interrupt raised by fn fails this item only
+                out.set_result(_outcome(_fail(_ItemResult(index), "fn", err)))
+                return
+            res = f.result()
+            if res.status in ("not_attempted", "cancelled"):  # the fleet knows ok/missed/failed
+                res.status, res.stage = "failed", res.status
+            out.set_result(res.value if isinstance(res.value, Outcome) else _outcome(res))
+
+        self._rw.submit(toks, index, fn=fn, cache_salt=salt, store_step=store).add_done_callback(done)
+        return out
+
+    def _task(self, op: str, index: int, payload: Any, salt: str, verify: bool,
+              want_hashes: bool) -> Outcome:
         try:
-            if op == "rewrite":
-                return self._rewrite(index, payload, fn, salt, verify, want_hashes)  # type: ignore[arg-type]
             if op == "store":
                 return self._store(index, payload, salt, verify, want_hashes)
             return self._retrieve(index, payload, salt)
@@ -240,45 +235,6 @@ class ItemEngine:
         except (TypeError, ValueError) as err:
             return _outcome(_fail(res, "store", err))
         return self._store_checked(res, kv, toks, salt, verify, want_hashes)
-
-    def _rewrite(self, index: int, toks_in: Any, fn: Callable[..., Any], salt: str,
-                 verify: bool, want_hashes: bool) -> Outcome:
-        # The flow of batch.rewrite's per-item task, step for step.
-        ctx = self.ctx
-        res = _ItemResult(index)
-        try:
-            toks = normalize_tokens(toks_in)
-        except KVCacheSDKError as err:
-            return _outcome(_fail(res, "retrieve", err))
-        whole = len(toks) // ctx.chunk_size * ctx.chunk_size
-        buf = self._take(whole) if whole else None
-        taken: list[torch.Tensor] = []
-        try:
-            t = time.perf_counter()
-            try:
-                kv = ctx.retrieve(toks, salt, out=buf)
-            except Exception as err:
-                return _outcome(_fail(res, "retrieve", err))
-            res.stages["retrieve"] = time.perf_counter() - t
-            if kv is None:
-                res.status, res.stage, res.reason = "missed", "retrieve", "nothing cached"
-                return _outcome(res)
-            hit = kv.shape[-2]
-            res.tokens, res.nbytes = hit, _nbytes(kv)
-            t = time.perf_counter()
-            try:
-                if self._accepts_alloc(fn):
-                    new_kv, new_toks = fn(kv, toks[:hit], alloc=lambda shape, dtype=ctx.dtype:
-                                          self._out_pool.alloc(shape, dtype, taken))
-                else:
-                    new_kv, new_toks = fn(kv, toks[:hit])
-            except Exception as err:
-                return _outcome(_fail(res, "fn", err))
-            res.stages["fn"] = time.perf_counter() - t
-            return self._store_checked(res, new_kv, new_toks, salt, verify, want_hashes)
-        finally:
-            self._give(buf)
-            self._out_pool.give_back(taken)
 
     def _store_checked(self, res: _ItemResult, kv: torch.Tensor, toks: Any, salt: str,
                        verify: bool, want_hashes: bool) -> Outcome:

@@ -3,12 +3,13 @@
 Upstream 0.5.6 runs one thread per stream, each polling with full retrieves until the
 engine's store is visible, each holding its stream's KV (and its edit) until the end, so
 every stream's KV is in memory at once and the first failure hides the others. Here the
-streams go through this project's pipelined rewrite engine (the one under
-``lmcache_kv_fast.batch.rewrite``): at most ``max_in_flight`` streams are between their
-read and their store, the edit of one overlaps the I/O of others, the wait for the
+streams are grouped by KV context and salt and each group goes through this project's
+pipelined rewrite engine (``engine_adapter.py``): at most ``max_in_flight`` streams are
+between their read and their store, each on its own thread (a finished stream's slot is
+refilled at once), so one stream's server round trips overlap the others' work; a stream's
+rows are read and stored through reused row buffers (``kvio.py``). The wait for the
 engine's store is lookups with back-off (:mod:`lmcache_kv_fast.sdk.wait`), and every
-stream's outcome is recorded. Streams are grouped by KV context and salt (the engine
-runs one context and salt at a time).
+stream's outcome is recorded.
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ import torch
 from lmcache_kv_fast.sdk.cache_kind import LMCacheSDKCacheKind
 from lmcache_kv_fast.sdk.context import ModifyFnType
 from lmcache_kv_fast.sdk.engine_adapter import run_rewrite_items
+from lmcache_kv_fast.sdk.kvio import StreamKV
 from lmcache_kv_fast.sdk.request import (
     LMCacheRequestStream,
     LMCacheRequestStreamError,
@@ -35,7 +37,7 @@ logger = logging.getLogger(__name__)
 __all__ = ["DEFAULT_MAX_IN_FLIGHT", "ModifyOutcome", "StreamModify", "modify_streams"]
 
 #: Streams between their read and their store at once, by default.
-DEFAULT_MAX_IN_FLIGHT = 2
+DEFAULT_MAX_IN_FLIGHT = 4
 KV = LMCacheSDKCacheKind.KV
 
 
@@ -120,10 +122,10 @@ def modify_streams(streams: Sequence[LMCacheRequestStream], fn: ModifyFnType, *,
 
 
 def _read(m: StreamModify, kind: LMCacheSDKCacheKind, timeout: float,
-          poll_interval: float) -> torch.Tensor:
+          poll_interval: float, read: Any = None) -> torch.Tensor:
     """Read one kind of the stream's cache; the wait is counted even when it fails."""
     try:
-        t, res = m.stream.read_cached(kind, timeout, poll_interval)
+        t, res = m.stream.read_cached(kind, timeout, poll_interval, read=read)
     except LMCacheRequestStreamError as err:
         if err.wait is not None:
             m.wait_s += err.wait.seconds
@@ -147,10 +149,11 @@ def _run_group(group: list[StreamModify], fn: ModifyFnType, timeout: float,
     sdk_ctx = first.context(KV)
     salt = first.cache_salt
     by_kv: dict[int, StreamModify] = {}
+    io = StreamKV(sdk_ctx)
 
     def fetch(_ctx: Any, m: StreamModify) -> tuple[torch.Tensor | None, Sequence[int]]:
         s = m.stream
-        kv = _read(m, KV, timeout, poll_interval)
+        kv = _read(m, KV, timeout, poll_interval, io.read)
         m.kv_nbytes = _nbytes(kv)
         for kind in s.contexts:
             if kind is not KV:
@@ -165,7 +168,7 @@ def _run_group(group: list[StreamModify], fn: ModifyFnType, timeout: float,
         m.extra = {}
         new_kv, new_tokens = call_modify_fn(fn, tensors, tokens, m.stream.request_stream_id)
         m.new_tokens = new_tokens
-        return sdk_ctx.to_server(new_kv, new_tokens)
+        return new_kv, new_tokens
 
     def on_result(index: int, status: str, stage: str, reason: str,
                   stages: dict[str, float]) -> None:
@@ -186,6 +189,6 @@ def _run_group(group: list[StreamModify], fn: ModifyFnType, timeout: float,
             on_done(m)
 
     peak = run_rewrite_items(sdk_ctx.kv_context, group, edit, salt, fetch=fetch,
-                             on_result=on_result, max_in_flight=max_in_flight,
-                             progress=progress)
+                             store=io.store, on_result=on_result,
+                             max_in_flight=max_in_flight, progress=progress)
     out.peak_in_flight = max(out.peak_in_flight, peak)

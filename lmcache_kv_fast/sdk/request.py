@@ -26,7 +26,7 @@ from __future__ import annotations
 import logging
 import time
 import uuid
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -339,12 +339,21 @@ class LMCacheRequestStream:
         return res
 
     def read_cached(self, kind: LMCacheSDKCacheKind, timeout: float = 30.0,
-                    poll_interval: float = 0.2) -> tuple[torch.Tensor, WaitResult]:
+                    poll_interval: float = 0.2, *,
+                    read: Callable[[Sequence[int], str], torch.Tensor | None] | None = None
+                    ) -> tuple[torch.Tensor, WaitResult]:
         """Read the stream's cache of ``kind`` once the engine's store is visible.
 
         The first attempt is a plain read of the expected prefix (in the usual case the
         store landed long ago and nothing else is sent); when it finds less, lookups with
         back-off wait for the rest (:meth:`wait_cached`) and the prefix is read again.
+
+        Args:
+            kind: Which cache.
+            timeout: Longest wait for it, in seconds.
+            poll_interval: Longest delay between two lookups.
+            read: ``read(tokens, cache_salt)`` instead of the context's ``retrieve``
+                (the same result; the batched modify reads through row buffers).
 
         Returns:
             ``(tensor, wait)``: the cached prefix and what the wait took (no lookups
@@ -357,13 +366,14 @@ class LMCacheRequestStream:
         ctx = self.context(kind)
         _check_wait_args(timeout, poll_interval)
         target = self._target(ctx, kind)
+        get = ctx.retrieve if read is None else read
         t0 = time.monotonic()
-        got = ctx.retrieve(self.tokens[:target], self.cache_salt)
+        got = get(self.tokens[:target], self.cache_salt)
         if got is not None and got.shape[-2] >= target:
             return got, WaitResult(target, target, 0, time.monotonic() - t0, "complete")
         del got
         res = self.wait_cached(kind, max(0.0, timeout - (time.monotonic() - t0)), poll_interval)
-        got = ctx.retrieve(self.tokens[: res.hit_tokens], self.cache_salt)
+        got = get(self.tokens[: res.hit_tokens], self.cache_salt)
         if got is None:
             raise LMCacheRequestStreamError(
                 f"stream {self._request_stream_id}: its {kind.value} cache "

@@ -94,3 +94,84 @@ def test_store_and_retrieve_items_and_hashes(setup):
         eng.submit("drop", 0, toks)
     with pytest.raises(ValueError, match="callable"):
         eng.submit("rewrite", 0, toks)
+
+
+def test_rewrite_items_run_on_batch_rewrites_engine(setup):
+    """One engine underneath: the actor's rewrite items run on batch.rewrite's RewriteEngine
+    (its edit thread, its alloc pool for an fn that takes alloc), fed item by item."""
+    import threading
+
+    from lmcache_kv_fast.rewrite_engine import RewriteEngine
+
+    m, ctx, eng = setup
+    assert isinstance(eng._rw, RewriteEngine)
+    seqs, kvs = _seed(m, ctx, 3, 400)
+    threads: list[str] = []
+
+    def plain(kv, toks):
+        threads.append(threading.current_thread().name)
+        return drop_every_4th(kv, toks)
+
+    def with_alloc(kv, toks, *, alloc):
+        threads.append(threading.current_thread().name)
+        new_kv, new_toks = drop_every_4th(kv, toks)
+        out = alloc(tuple(new_kv.shape), new_kv.dtype)
+        out.copy_(new_kv)
+        return out, new_toks
+
+    outs = eng.run("rewrite", [(0, seqs[0]), (1, seqs[1])], fn=plain)
+    outs += eng.run("rewrite", [(2, seqs[2])], fn=with_alloc)
+    assert [o.status for o in outs] == ["ok"] * 3, outs
+    assert [o.index for o in outs] == [0, 1, 2]
+    assert threads and all(t.startswith("lmcache-kv-batch-edit") for t in threads), threads
+    c = ctx.chunk_size
+    for t, kv in zip(seqs, kvs):
+        want_kv, new = drop_every_4th(kv[..., : 2 * c, :], t[: 2 * c])
+        n = len(new) // c * c
+        got = ctx.retrieve(new[:n])
+        assert got is not None and torch.equal(got, want_kv[..., :n, :])
+
+
+def test_rewrite_items_stop_at_once_when_the_server_dies():
+    """The actor's rewrite items share batch.rewrite's liveness check: after an item's
+    failure one ping; the server gone, queued items fail at once as not attempted instead
+    of paying the timeout each."""
+    import os
+    import signal
+    import threading
+    import time
+
+    from lmcache_kv_fast.testing import LMCacheServer
+
+    srv = LMCacheServer(shm=True, l1_size_gb=0.25)
+    try:
+        srv.start()
+        m = make_model(srv, num_layers=2, num_kv_heads=2, head_size=64)
+        ctx = connect(srv.url, srv.http_url, m.name, timeout=2.0)
+        seqs, _ = _seed(m, ctx, 12, 500)
+        calls = [0]
+
+        def killing(kv, toks):
+            calls[0] += 1
+            if calls[0] == 3:
+                os.killpg(srv.proc.pid, signal.SIGKILL)
+            return drop_every_4th(kv, toks)
+
+        eng = ItemEngine(ctx, max_in_flight=4)
+        try:
+            t0 = time.monotonic()
+            outs = eng.run("rewrite", list(enumerate(seqs)), fn=killing)
+            took = time.monotonic() - t0
+        finally:
+            eng.close()
+        assert took < 14.0, f"{took:.1f}s: the items paid the timeout one by one"
+        statuses = [o.status for o in outs]
+        assert statuses.count("ok") <= 3 and statuses.count("missed") == 0, statuses
+        skipped = [o for o in outs if o.stage == "not_attempted"]
+        assert len(skipped) >= 12 - 3 - 4, [(o.status, o.stage, o.reason[:60]) for o in outs]
+        assert all(o.status == "failed" and "not attempted" in o.reason for o in skipped)
+        assert not [t for t in threading.enumerate() if t.name.startswith("lmcache-kv-batch")]
+        ctx.close()
+    finally:
+        srv.stop()
+    assert not os.path.exists(f"/dev/shm/{srv.pool_segment}")

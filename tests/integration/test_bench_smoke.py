@@ -38,10 +38,15 @@ def test_w3_edit_matches_demo(tokens: int) -> None:
     kv = torch.randn(2, 3, tokens, 8).to(torch.bfloat16)
     toks = list(range(100, 100 + tokens))
     want_kv, want_toks = drop_every_kth(kv, toks, 10)
-    for fn in (bench.drop_every_kth, bench.drop_every_kth_index_select):
+    for fn in (bench.drop_every_kth, bench.drop_every_kth_index_select,
+               bench.drop_every_kth_plain):
         got_kv, got_toks = fn(kv, toks, 10)
         assert torch.equal(got_kv, want_kv) and got_toks == want_toks
         assert got_kv.is_contiguous()
+    # W3P's edit is the plain function: two arguments, no alloc for rewrite to use
+    from lmcache_kv_fast.rewrite_engine import accepts_alloc
+
+    assert not accepts_alloc(bench.drop_every_kth_plain)
 
 
 def test_target_ceiling_from_waits_and_roofline() -> None:
@@ -146,14 +151,14 @@ def _positive(xs: list[float]) -> bool:
     return bool(xs) and all(isinstance(x, float) and math.isfinite(x) and x > 0 for x in xs)
 
 
-@pytest.mark.timeout(300)
+@pytest.mark.timeout(360)
 def test_bench_quick_json(tmp_path: Path) -> None:
     out = tmp_path / "bench.json"
     env = _bench_env()
     p = subprocess.run(
         [sys.executable, "-m", "lmcache_kv_fast", "bench", "--quick", "--no-progress",
          "--json", str(out)],
-        capture_output=True, text=True, timeout=240, env=env, cwd=tmp_path,
+        capture_output=True, text=True, timeout=300, env=env, cwd=tmp_path,
         stdin=subprocess.DEVNULL,
     )
     assert p.returncode == 0, f"stdout:\n{p.stdout[-4000:]}\nstderr:\n{p.stderr[-4000:]}"
@@ -187,6 +192,8 @@ def test_bench_quick_json(tmp_path: Path) -> None:
         "W2 copy": roof,
         "W3 rewrite sequential": [f"kvfast-native-{n}t", "upstream"],
         "W3 rewrite batch": [f"kvfast-native-{n}t"],
+        "W3P loop (plain fn)": [f"kvfast-native-{n}t", "upstream"],
+        "W3P batch (plain fn)": [f"kvfast-native-{n}t"],
         "W4 store": ["kvfast-pickle", "upstream-pickle"],
         "W4 retrieve": ["kvfast-pickle", "upstream-pickle"],
         "W4 copy": roof,
@@ -232,7 +239,12 @@ def test_bench_quick_json(tmp_path: Path) -> None:
         assert _positive(ic[kind]["connect"]), kind
 
     targets = {t["name"]: t for t in doc["targets"]}
-    assert len(targets) == 16
+    assert len(targets) == 18
+    # W3P: the plain edit, rewrite paired with both loops in the same reps
+    for name in ("W3P plain fn: batch.rewrite vs upstream loop",
+                 "W3P plain fn: batch.rewrite vs own loop"):
+        assert targets[name]["detail"].endswith("paired"), targets[name]
+    assert "W3P plain fn: batch.rewrite vs own loop" in p.stdout
     assert targets["W1 retrieve warm, with out vs upstream"]["detail"].endswith("paired")
     for t in targets.values():
         assert t["status"] in ("PASS", "MISS"), t

@@ -31,6 +31,10 @@ Workloads (sizes are flags; ``--quick`` shrinks them for CI):
   writes into ``torch.empty`` (fresh pages, what a plain loop gets); under ``rewrite`` it
   writes into the ``alloc`` it is given (rewrite's pool of warm buffers), unless
   ``--w3-no-alloc``.
+* W3P: W3 with the plain edit users write (issue 24), exactly
+  ``kv.index_select(2, torch.tensor(keep))`` into a fresh tensor, no ``alloc``, given to
+  ``batch.rewrite``, this SDK's loop and upstream's loop alike (same sizes and pairing as
+  W3); targets: ``rewrite`` >= 1.5x this SDK's loop and >= 3x upstream's.
 * W4: 64 MiB store / retrieve over the pickle plane.
 * IC: ``import`` + ``connect`` in fresh interpreters (this SDK, upstream, and ``import
   torch`` alone, so this SDK's own share beyond torch is visible).
@@ -60,7 +64,7 @@ Modules:
 """
 
 from .cli import build_parser, main, resolve_sizes
-from .edits import EDITS, drop_every_kth, drop_every_kth_index_select
+from .edits import EDITS, drop_every_kth, drop_every_kth_index_select, drop_every_kth_plain
 from .helpers import punch_segment
 from .names import *  # noqa: F403 - the path and op names
 from .names import __all__ as _names
@@ -86,6 +90,7 @@ __all__ = [
     "compute_targets",
     "drop_every_kth",
     "drop_every_kth_index_select",
+    "drop_every_kth_plain",
     "floor_s",
     "ic_summary",
     "kv_nbytes",

@@ -78,7 +78,8 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--quick", action="store_true",
                    help="CI-sized run (< 2 minutes; its target verdicts are only indicative)")
     g.add_argument("--workloads", default=",".join(DEFAULT_WORKLOADS),
-                   help=f"subset of {','.join(DEFAULT_WORKLOADS)} (W5: --engine)")
+                   help=f"subset of {','.join(DEFAULT_WORKLOADS)} (W5: --engine; W3P: W3 "
+                        "with the plain edit fn, no alloc)")
     g.add_argument("--engine", action="store_true",
                    help="run W5, the engine loop, instead: a real vLLM CPU engine (.venv-engine, "
                         "scripts/engine-venv.sh) prefills N prompts, the SDK retrieves per-token "
@@ -92,7 +93,9 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--w1-tokens", type=int)
     g.add_argument("--w2-layers", type=int)
     g.add_argument("--w2-ops", type=int)
-    g.add_argument("--w3-sequences", type=int)
+    g.add_argument("--w3-sequences", type=int, help="W3 and W3P sequences (W3P: W3 with the "
+                   "plain edit users write, kv.index_select(2, torch.tensor(keep)), given to "
+                   "batch.rewrite, this SDK's loop and upstream's loop alike; same sizes)")
     g.add_argument("--w3-tokens", type=int)
     g.add_argument("--w3-reps", type=int)
     g.add_argument("--w3-drop-k", type=int)
@@ -197,7 +200,7 @@ def _main(args: argparse.Namespace, t_start: float) -> int:
     if bad:
         raise SystemExit(f"unknown workloads {bad}; choose from {','.join(WORKLOADS)}")
     s = resolve_sizes(args)
-    if "W3" in workloads and not args.l1_gb:
+    if ("W3" in workloads or "W3P" in workloads) and not args.l1_gb:
         _fit_w3(s, notes)
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
     threads = thread_list(args.threads, cores)

@@ -49,6 +49,19 @@ def drop_every_kth_index_select(kv: Any, tokens: Sequence[int], k: int = 10, *,
     return torch.index_select(kv, -2, index, out=out), [tokens[i] for i in keep]
 
 
+def drop_every_kth_plain(kv: Any, tokens: Sequence[int], k: int = 10) -> tuple[Any, list[int]]:
+    """W3P's edit: the plain function users write (issue 24), verbatim for ``k == 10``.
+
+    ``keep = [i for i in range(len(tokens)) if i % 10 != 9]``;
+    ``return kv.index_select(2, torch.tensor(keep)), [tokens[i] for i in keep]`` -- a fresh
+    output per call, no ``alloc`` (so ``batch.rewrite`` sees a two-argument function).
+    """
+    import torch
+
+    keep = [i for i in range(len(tokens)) if i % k != k - 1]
+    return kv.index_select(2, torch.tensor(keep)), [tokens[i] for i in keep]
+
+
 #: ``--w3-edit`` choices (the first is the default).
 EDITS: dict[str, Callable[..., tuple[Any, list[int]]]] = {
     "view": drop_every_kth,

@@ -10,7 +10,8 @@ __all__ = [
     "IC_KVF", "IC_TORCH", "IC_UP", "KVF_PICKLE", "KVF_T1", "KVF_TORCH", "UPSTREAM",
     "UPSTREAM_PICKLE", "UPSTREAM_T1", "W1_COPY_COLD", "W1_COPY_COLD_SHM", "W1_COPY_WARM",
     "W1_RET_COLD", "W1_RET_OUT", "W1_RET_WARM", "W1_STORE_COLD", "W1_STORE_WARM", "W2_COPY",
-    "W2_RET", "W2_STORE", "W3", "W3_BATCH", "W3_SEQ", "W4_COPY", "W4_RET", "W4_STORE",
+    "W2_RET", "W2_STORE", "W3", "W3P", "W3P_BATCH", "W3P_SEQ", "W3_BATCH", "W3_SEQ", "W4_COPY",
+    "W4_RET", "W4_STORE",
     "kvf_native", "roofline",
 ]
 
@@ -37,5 +38,8 @@ W1_COPY_COLD_SHM = "W1 copy cold shm"
 W2_STORE, W2_RET, W2_COPY = "W2 store", "W2 retrieve", "W2 copy"
 #: W3 is driven as one op ("W3") whose reps time both contenders, recorded under these.
 W3, W3_SEQ, W3_BATCH = "W3", "W3 rewrite sequential", "W3 rewrite batch"
+#: W3P: W3 with the issue's plain edit (``kv.index_select(2, torch.tensor(keep))``, no
+#: ``alloc``) for every contender, driven as one op ("W3P") like W3.
+W3P, W3P_SEQ, W3P_BATCH = "W3P", "W3P loop (plain fn)", "W3P batch (plain fn)"
 W4_STORE, W4_RET, W4_COPY = "W4 store", "W4 retrieve", "W4 copy"
 IC_TORCH, IC_KVF, IC_UP = "import torch", "kvfast import+connect", "upstream import+connect"

@@ -42,8 +42,8 @@ def print_header(machine: dict[str, Any], s: Sizes, *, shm_l1: float, pick_l1: f
           f"{s.reps} reps + {s.warmup} warm-up; W2 [2, {s.w2_layers}, {s.chunk}, {HIDDEN}] = "
           f"{s.w2_bytes / MiB:.0f} MiB x {s.w2_ops} ops; W3 {s.w3_sequences} x {s.w3_tokens} "
           f"tokens (drop every {s.w3_k}th by {w3_edit}"
-          f"{', batch without alloc' if w3_no_alloc else ''}), {s.w3_reps} reps + {s.w3_warmup} "
-          f"warm-up; W4 {s.w4_bytes / MiB:.0f} MiB x "
+          f"{', batch without alloc' if w3_no_alloc else ''}; W3P: the plain index_select "
+          f"fn), {s.w3_reps} reps + {s.w3_warmup} warm-up; W4 {s.w4_bytes / MiB:.0f} MiB x "
           f"{s.w4_reps}; L1: SHM {shm_l1:g} GiB, pickle {pick_l1 if pick_l1 is not None else '-'} "
           f"GiB; native copy threads {list(threads)}")
     if server_malloc is not None:
@@ -84,7 +84,7 @@ def print_table(rows: dict[Key, Row], records: dict[Key, dict[str, Any]],
             print(file=out)
     print("x roof: fraction of a flat memcpy of the same bytes timed in the same reps (same copy "
           "threads; cold rows: into fresh anonymous / fresh /dev/shm pages); x up: speed-up over "
-          "upstream (retrieve+out and W3 batch vs upstream's drop-in retrieve / sequential loop;"
+          "upstream (retrieve+out and W3/W3P batch vs upstream's drop-in retrieve / sequential loop;"
           " upstream's drop-in retrieve is timed in the retrieve+out reps too, and its row counts"
           " both); both the median of per-rep ratios where the two ran in the same reps, else "
           "the ratio of medians", file=out)

@@ -96,7 +96,7 @@ QUICK = {"w1_tokens": 1024, "w2_ops": 20, "w2_warmup": 2, "w3_sequences": 3, "w3
 def shm_l1_gib(s: Sizes, workloads: Sequence[str]) -> float:
     """L1 (GiB) of the SHM server: >= 6x the largest request, W3's working set under 75 %."""
     need = 6 * max(s.w1_bytes, s.w2_bytes)
-    if "W3" in workloads:
+    if "W3" in workloads or "W3P" in workloads:
         need = max(need, int(s.w3_resident_bytes / 0.75) + s.w3_seq_bytes)
     return max(1.0, math.ceil(need / GiB * 2) / 2)
 

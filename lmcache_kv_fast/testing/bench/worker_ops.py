@@ -19,9 +19,9 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from .edits import EDITS, drop_every_kth
+from .edits import EDITS, drop_every_kth, drop_every_kth_plain
 from .helpers import malloc_trim, same_bytes
-from .names import UPSTREAM, W3_BATCH, W3_SEQ
+from .names import UPSTREAM, W3P
 from .sizes import GiB
 from .workloads import Driven, Variant, op_reps, workload_of
 
@@ -177,7 +177,11 @@ def _roof_fn(w: Worker, d: Driven, src: Any, wanted: bool
 
 # ---------------------------------------------------------------------------- rewrite (W3)
 def rewrite_state(w: Worker, d: Driven, variants: Sequence[Variant]) -> OpState:
-    """W3: ``batch.rewrite`` vs a sequential retrieve / edit / store loop, both per rep."""
+    """W3 / W3P: ``batch.rewrite`` vs a sequential retrieve / edit / store loop, both per rep.
+
+    W3's edit is ``--w3-edit`` (into ``alloc`` under ``rewrite`` unless ``--w3-no-alloc``);
+    W3P's is the issue's plain function (:func:`.edits.drop_every_kth_plain`) everywhere.
+    """
     variant = variants[0]
     s = w.s
     wl = workload_of(d.name)
@@ -187,10 +191,13 @@ def rewrite_state(w: Worker, d: Driven, variants: Sequence[Variant]) -> OpState:
     src = w.src(wl.name)
     model = w.spec["models"][wl.model]
     ctx = w.ctx(variant.server, model)
-    edit = EDITS.get(w.spec.get("w3_edit"), drop_every_kth)  # type: ignore[arg-type]
+    plain = wl.name == W3P
+    edit: Callable[..., tuple[Any, list[int]]] = drop_every_kth_plain if plain else \
+        EDITS.get(w.spec.get("w3_edit"), drop_every_kth)  # type: ignore[arg-type]
+    seq_op, batch_op = d.records
     stages: dict[str, float] = {}
 
-    use_alloc = not w.spec.get("w3_no_alloc")
+    use_alloc = not plain and not w.spec.get("w3_no_alloc")
 
     def fn(kv: Any, toks: Sequence[int]) -> tuple[Any, list[int]]:
         return edit(kv, toks, s.w3_k)
@@ -223,9 +230,9 @@ def rewrite_state(w: Worker, d: Driven, variants: Sequence[Variant]) -> OpState:
         stages.update(rep.stage_seconds)
         return rep.ok
 
-    contenders: list[tuple[str, Callable[[], int]]] = [(W3_SEQ, sequential)]
+    contenders: list[tuple[str, Callable[[], int]]] = [(seq_op, sequential)]
     if w.kind == "native":
-        contenders.append((W3_BATCH, batched))
+        contenders.append((batch_op, batched))
 
     warmup = op_reps(d.name, s)[0]
 

@@ -46,6 +46,9 @@ from .names import (
     W3,
     W3_BATCH,
     W3_SEQ,
+    W3P,
+    W3P_BATCH,
+    W3P_SEQ,
     W4_COPY,
     W4_RET,
     W4_STORE,
@@ -252,6 +255,32 @@ W3_WORKLOAD = Workload(
     ),
 )
 
+# ---------------------------------------------------------------------------- W3P
+def _w3p_plan(g: PathGroups) -> dict[str, list[Variant]]:
+    plan = _w3_plan(g)
+    return {W3P: plan[W3]} if W3 in plan else {}
+
+
+#: W3 with the plain edit users write (issue 24): ``batch.rewrite`` is given exactly
+#: ``keep = [i for i in range(len(tokens)) if i % 10 != 9]; return kv.index_select(2,
+#: torch.tensor(keep)), [tokens[i] for i in keep]`` (no ``alloc``), and so are this SDK's
+#: loop and upstream's loop; paired per rep like W3, same sizes (``--w3-*``).
+W3P_WORKLOAD = Workload(
+    name="W3P",
+    ops=(W3P_SEQ, W3P_BATCH),
+    driven=(Driven(W3P, "rewrite", ping=False, records=(W3P_SEQ, W3P_BATCH)),),
+    reps=lambda s: (s.w3_warmup, s.w3_reps),
+    plan=_w3p_plan,
+    shape=lambda s: (2, s.w1_layers, s.w3_tokens, HIDDEN),
+    refs={W3P_BATCH: W3P_SEQ},
+    targets=(
+        TargetSpec("W3P plain fn: batch.rewrite vs upstream loop", "speed", (OURS, W3P_BATCH),
+                   (UPSTREAM, W3P_SEQ), ">=", 3.0, OURS),
+        TargetSpec("W3P plain fn: batch.rewrite vs own loop", "speed", (OURS, W3P_BATCH),
+                   (OURS, W3P_SEQ), ">=", 1.5, OURS),
+    ),
+)
+
 # ---------------------------------------------------------------------------- W4
 W4_WORKLOAD = Workload(
     name="W4",
@@ -290,10 +319,10 @@ ENGINE_WORKLOADS: tuple[str, ...] = ("W5",)
 
 # ---------------------------------------------------------------------------- registry
 #: Every workload, in table and driving order.
-REGISTRY: tuple[Workload, ...] = (W1_WORKLOAD, W2_WORKLOAD, W3_WORKLOAD, W4_WORKLOAD,
-                                  IC_WORKLOAD, W5_WORKLOAD)
+REGISTRY: tuple[Workload, ...] = (W1_WORKLOAD, W2_WORKLOAD, W3_WORKLOAD, W3P_WORKLOAD,
+                                  W4_WORKLOAD, IC_WORKLOAD, W5_WORKLOAD)
 #: The order of the targets section (W3's targets have always come last); new ones append.
-TARGET_ORDER: tuple[str, ...] = ("W1", "W2", "W4", "IC", "W3")
+TARGET_ORDER: tuple[str, ...] = ("W1", "W2", "W4", "IC", "W3", "W3P")
 
 WORKLOADS = tuple(w.name for w in REGISTRY)
 #: The table's rows, in order.
