@@ -15,7 +15,7 @@
   server answers ``prepare_retrieve``.
 * ``client/store.py``: ``prepare_store`` (one per shard) → scatter → ``commit_store``
   (+ ``end_session``), or on the pickle plane a single ``commit_store`` with the pickled
-  chunks; lookups tell "already cached" from "L1 full" (doc §11 #10).
+  chunks; lookups tell "already cached" from "L1 full" (docs/protocol.md §11 #10).
 
 Results are :class:`~lmcache_kv_fast.results.StoreResult` and
 :class:`~lmcache_kv_fast.results.OpTiming`.
@@ -120,7 +120,7 @@ class LMCacheKVCacheContext:
         kernel: A CPU engine's attention kernel (``"vec"``, ``"vec16"``, ``"amx"``) when
             it runs on another machine (default: vLLM's choice on this one).
         copy_threads: Threads of the native copy pool (None: env or usable cores).
-        heartbeat: Ping the server so it never reaps this live client (doc §3.11).
+        heartbeat: Ping the server so it never reaps this live client (docs/protocol.md §3.11).
         read_hints: Copy a retrieved prefix from where it lay last time until the server's
             ``prepare_retrieve`` reply is in (SHM only; each chunk kept only when the reply
             names the slot it was read from).
@@ -407,7 +407,7 @@ class LMCacheKVCacheContext:
         rc = check_request_configs(request_configs)
         with per_token(s, tok):
             result = self._storing.store(src, toks, salt, n, rc, t0)
-        # SDK stores produce no `stored` KV events on the server (doc §11 #21): announce them
+        # SDK stores produce no `stored` KV events on the server (docs/protocol.md §11 #21): announce them
         # to local listeners. Nobody can listen unless the events module was imported.
         ev = sys.modules.get("lmcache_kv_fast.events")
         if ev is not None and result.tokens_stored and ev.has_listeners(s.model_name):
@@ -436,7 +436,7 @@ class LMCacheKVCacheContext:
         (for at most ``min(timeout, 5 s)``) for the late replies of operations that timed
         out, finishing what they left on the server (``client/late.py``). The writer
         registration is only dropped when no reservation of a failed store can be pending
-        (the server would admit its slots as data, doc §3.2). In a
+        (the server would admit its slots as data, docs/protocol.md §3.2). In a
         child process after ``fork()`` it does nothing (everything it would release is
         the parent's).
         """

@@ -138,7 +138,7 @@ def _check_text(value: Any, what: str) -> str:
 
 
 def check_salt(cache_salt: Any) -> str:
-    """Validate ``cache_salt`` like the server does (doc §4.1), before anything is sent.
+    """Validate ``cache_salt`` like the server does (docs/protocol.md §4.1), before anything is sent.
 
     Raises:
         InvalidTypeError: Not a str (a subclass of str is refused too).
@@ -159,7 +159,7 @@ def check_salt(cache_salt: Any) -> str:
 
 
 def check_request_configs(request_configs: Any) -> dict[str, Any] | None:
-    """Validate per-request ``request_configs`` (passed through in every key, doc §4.1).
+    """Validate per-request ``request_configs`` (passed through in every key, docs/protocol.md §4.1).
 
     Raises:
         InvalidTypeError: Not None or a dict with str keys of msgpack-encodable values.
@@ -237,18 +237,9 @@ def check_kv(kv: Any, layout: KVLayout, dtype: torch.dtype) -> torch.Tensor:
             "convert it with kv.to(ctx.dtype)"
         )
     shape = tuple(kv.shape)
-    if lay.planes == 2:
-        ok = len(shape) == 4 and shape[0] == 2 and shape[1] == lay.num_layers and \
-            shape[3] == lay.hidden_size
-        want = f"[2, {lay.num_layers}, T, {lay.hidden_size}]"
-    else:
-        ok = (len(shape) == 3 and shape[0] == lay.num_layers and shape[2] == lay.hidden_size) \
-            or (len(shape) == 4 and shape[0] == 1 and shape[1] == lay.num_layers
-                and shape[3] == lay.hidden_size)
-        want = f"[{lay.num_layers}, T, {lay.hidden_size}] or [1, {lay.num_layers}, T, " \
-               f"{lay.hidden_size}]"
-    if not ok:
-        raise InvalidArgumentError(f"kv has shape {list(shape)}, expected {want}")
+    if not _kv_shape_ok(shape, lay):
+        raise InvalidArgumentError(
+            f"kv has shape {list(shape)}, expected {_kv_shape_text(lay, 'T')}")
     if kv.requires_grad:
         kv = kv.detach()
     # storage bounds and neg/conj bits, before anything (.cpu(), .contiguous()) reads it
@@ -288,18 +279,29 @@ def check_out(out: Any, tokens: int, layout: KVLayout, dtype: torch.dtype) -> to
         raise InvalidArgumentError("out must be contiguous")
     check_destination(out, "out")
     shape = tuple(out.shape)
-    if lay.planes == 2:
-        ok = len(shape) == 4 and shape[0] == 2 and shape[1] == lay.num_layers and \
-            shape[3] == lay.hidden_size
-        want = f"[2, {lay.num_layers}, >={tokens}, {lay.hidden_size}]"
-    else:
-        ok = (len(shape) == 3 and shape[0] == lay.num_layers and shape[2] == lay.hidden_size) \
-            or (len(shape) == 4 and shape[0] == 1 and shape[1] == lay.num_layers
-                and shape[3] == lay.hidden_size)
-        want = f"[{lay.num_layers}, >={tokens}, {lay.hidden_size}]"
-    if not ok or shape[-2] < tokens:
+    if not _kv_shape_ok(shape, lay) or shape[-2] < tokens:
         raise InvalidArgumentError(
-            f"out has shape {list(shape)}, expected {want} (room for every requested "
-            "whole-chunk token)"
+            f"out has shape {list(shape)}, expected {_kv_shape_text(lay, f'>={tokens}')} "
+            "(room for every requested whole-chunk token)"
         )
     return out
+
+
+def _kv_shape_ok(shape: tuple[int, ...], lay: KVLayout) -> bool:
+    """Whether ``shape`` is a KV tensor's of ``lay``, any token count.
+
+    ``[2, L, T, D]`` with two planes; ``[L, T, D]`` or ``[1, L, T, D]`` with one (MLA).
+    """
+    L, D = lay.num_layers, lay.hidden_size
+    if lay.planes == 2:
+        return len(shape) == 4 and shape[0] == 2 and shape[1] == L and shape[3] == D
+    return (len(shape) == 3 and shape[0] == L and shape[2] == D) or \
+        (len(shape) == 4 and shape[0] == 1 and shape[1] == L and shape[3] == D)
+
+
+def _kv_shape_text(lay: KVLayout, tokens: str) -> str:
+    """The shapes :func:`_kv_shape_ok` accepts, ``tokens`` standing for the token count."""
+    L, D = lay.num_layers, lay.hidden_size
+    if lay.planes == 2:
+        return f"[2, {L}, {tokens}, {D}]"
+    return f"[{L}, {tokens}, {D}] or [1, {L}, {tokens}, {D}]"

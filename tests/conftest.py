@@ -6,14 +6,21 @@ tests/engine_fixtures.py, session-scoped and stopped right after their last test
 
 from __future__ import annotations
 
+import importlib.util
 import itertools
 import os
 import random
 import signal
+import subprocess
+import sys
 import threading
+import time
 import uuid
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
+from pathlib import Path
+from types import ModuleType
+from typing import Any
 
 import pytest
 import torch
@@ -32,6 +39,7 @@ from engine_fixtures import (  # noqa: F401 - fixtures shared by tests/engine an
 from lmcache_kv_fast.testing import LMCacheServer, register_vllm_layout
 
 _MODEL_COUNTER = itertools.count()
+EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
 
 
 def _terminate(signum: int, frame: object) -> None:
@@ -63,7 +71,9 @@ def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo):
             report.sections.append((title, text))
 
 
-def _start(shm: bool, **kw) -> Iterator[LMCacheServer]:
+def start_server(shm: bool, **kw: Any) -> Iterator[LMCacheServer]:
+    """Body of a server fixture: ``yield from start_server(...)`` starts a real server
+    (``LMCacheServer(shm=shm, **kw)``), yields it and stops it, also after a failed start."""
     srv = LMCacheServer(shm=shm, **kw)
     try:
         srv.start()
@@ -75,13 +85,13 @@ def _start(shm: bool, **kw) -> Iterator[LMCacheServer]:
 @pytest.fixture(scope="session")
 def server_shm() -> Iterator[LMCacheServer]:
     """A real 0.5.6 server with the SHM data plane."""
-    yield from _start(True, l1_size_gb=1.0)
+    yield from start_server(True, l1_size_gb=1.0)
 
 
 @pytest.fixture(scope="session")
 def server_pickle() -> Iterator[LMCacheServer]:
     """A real 0.5.6 server with the pickle data plane (no SHM)."""
-    yield from _start(False, l1_size_gb=0.5)
+    yield from start_server(False, l1_size_gb=0.5)
 
 
 @pytest.fixture(params=["shm", "pickle"])
@@ -178,3 +188,32 @@ def run_threads(worker: Callable[[int], None], n: int, timeout: float = 120.0) -
         th.join(timeout)
     assert not any(th.is_alive() for th in threads), f"a worker ran over {timeout}s"
     return errors
+
+
+def load_example(name: str) -> ModuleType:
+    """Import ``examples/<name>.py`` (the examples are scripts, not a package)."""
+    spec = importlib.util.spec_from_file_location(f"example_{name}", EXAMPLES / f"{name}.py")
+    assert spec is not None and spec.loader is not None
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def wait_all_zero(read: Callable[[], dict[str, int]], timeout: float,
+                  step: float = 0.1) -> dict[str, int]:
+    """Poll ``read()`` until every value is zero or ``timeout`` passed; return the last reading."""
+    deadline = time.monotonic() + timeout
+    while True:
+        left = read()
+        if not any(left.values()) or time.monotonic() > deadline:
+            return left
+        time.sleep(step)
+
+
+def assert_script_refuses(script: str, refused: int, timeout: float) -> None:
+    """Run ``script`` in a fresh interpreter: it must exit 0 (no crash) and print
+    ``REFUSED <refused>`` (how many of its hostile calls raised)."""
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
+                         timeout=timeout)
+    assert out.returncode == 0, f"crashed ({out.returncode}): {out.stderr[-2000:]}"
+    assert f"REFUSED {refused}" in out.stdout, out.stdout + out.stderr[-2000:]

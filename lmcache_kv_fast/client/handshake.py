@@ -27,6 +27,7 @@ from lmcache_kv_fast.errors import (
 from lmcache_kv_fast.layout import KVLayout, decode_status_entry, find_model_entries
 from lmcache_kv_fast.protocol.constants import DEFAULT_ALIGN_BYTES
 from lmcache_kv_fast.protocol.detect import detect_generation
+from lmcache_kv_fast.protocol.mp_config import mp_chunk_size, require_zmq_transport
 from lmcache_kv_fast.protocol.ops import Op
 from lmcache_kv_fast.protocol.types import (
     RegisterEngineDrivenContextPayload,
@@ -65,7 +66,7 @@ def handshake(s: SessionState, layout: KVLayout | None, world_size: int | None,
     http = HttpInfoClient(s.http_url, probe)
     cfg = http.config()
     mp = cfg["mp"]
-    s.chunk_size = _positive_int(mp.get("chunk_size"), "/config mp.chunk_size")
+    s.chunk_size = mp_chunk_size(mp)
     mode = mp.get("supported_transfer_mode", "auto")
     if mode not in ("auto", "engine_driven"):
         raise KVCacheSDKError(
@@ -73,11 +74,7 @@ def handshake(s: SessionState, layout: KVLayout | None, world_size: int | None,
             "the SDK needs 'auto' or 'engine_driven' (restart the server with "
             "--supported-transfer-mode auto)"
         )
-    if mp.get("transport", "zmq") != "zmq":
-        raise KVCacheSDKError(
-            f"the server at {s.http_url} uses transport {mp.get('transport')!r}; "
-            "this SDK speaks the ZMQ transport"
-        )
+    require_zmq_transport(mp, s.http_url)
     version = http.version()
     gen, verify = detect_generation(version, mp)
     s.generation = gen
@@ -218,7 +215,7 @@ def _register_writer(s: SessionState, reader: RegisterEngineDrivenContextPayload
 
 
 def _liveness_from_config(s: SessionState, cfg: dict[str, Any]) -> None:
-    """Read the reaper and TTL settings (doc §3.11, §3.15); keep the defaults if absent."""
+    """Read the reaper and TTL settings (docs/protocol.md §3.11, §3.15); keep the defaults if absent."""
     mp = cfg["mp"]
     try:
         l1 = cfg["storage_manager"]["l1_manager_config"]
@@ -253,12 +250,6 @@ def _check_crash_guarantee(s: SessionState) -> None:
         "Start the server with a grace above the write TTL + %gs to close that window",
         s.http_url, s.registration_grace_s, s.write_ttl_s, GRACE_MARGIN_S,
     )
-
-
-def _positive_int(v: Any, what: str) -> int:
-    if type(v) is not int or v <= 0:
-        raise ProtocolError(f"{what}: expected a positive integer, got {v!r:.60}")
-    return v
 
 
 def _l1_bytes_from_config(cfg: dict[str, Any]) -> Any:

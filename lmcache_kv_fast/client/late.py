@@ -1,6 +1,6 @@
 """Late replies: finish on the server what a timed-out operation left there.
 
-The server has no deadlines and no abort RPC (doc §2.7, §3.3): a request the client gave
+The server has no deadlines and no abort RPC (docs/protocol.md §2.7, §3.3): a request the client gave
 up on still runs when the server gets to it -- after a freeze (SIGSTOP), a long GC pause,
 a flood -- and takes what it takes: a store reservation (``prepare_store``), read locks
 (``lookup``, ``prepare_retrieve``), a session. Dropping its late reply leaks them; worse,
@@ -23,7 +23,7 @@ An obligation gives up at its deadline (the server-side TTL of what it holds, pl
 margin: after it the resources expired anyway) or when the server is known to have
 forgotten this client (restart, reap). A store obligation that never committed *pins the
 writer registration*: it is never unregistered, so its reservation is never admitted
-(doc §3.2); the server reaps it after its registration grace, when the reservation's write
+(docs/protocol.md §3.2); the server reaps it after its registration grace, when the reservation's write
 TTL has expired and ``finish_write`` refuses it (``docs/server-defects.md``).
 """
 

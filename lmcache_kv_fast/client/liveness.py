@@ -7,7 +7,7 @@ It
 
 * pings the server for the reader instance every quarter of the reap timeout (the first
   ping is sent at connect, so a client killed before its first interval is reaped too,
-  doc §3.11), without ever blocking on the reply;
+  docs/protocol.md §3.11), without ever blocking on the reply;
 * re-registers the writer instance every quarter of the registration grace (at most every
   15 minutes): re-registering refreshes its liveness without the ping latch, so an idle
   writer is never reaped while a dead one is reaped only after the grace (see

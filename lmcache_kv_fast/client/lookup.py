@@ -2,7 +2,7 @@
 
 ``lookup`` → ``wait_prefetch_status`` (polled in slices so one wait never blocks the
 server's normal pool for long) answers the number of leading hit chunks, which stay
-read-locked until a retrieve commits them or ``free_lookup_locks`` releases them (doc §3.3,
+read-locked until a retrieve commits them or ``free_lookup_locks`` releases them (docs/protocol.md §3.3,
 §11 #14). :func:`lookup_release` is the lock-free variant a public ``lookup`` and the
 store's checks use.
 

@@ -4,7 +4,7 @@
 per shard) → gather → ``commit_retrieve`` → ``end_session``. The last two are sent without
 waiting for their replies (``transport/releases.py``): the data is in the caller's tensor
 once the gather finished. The lookup locks of shards that were not read are released with
-``free_lookup_locks`` on every failure path (doc §11 #14). Read hints
+``free_lookup_locks`` on every failure path (docs/protocol.md §11 #14). Read hints
 (``client/read_hints.py``) may copy the chunks while ``prepare_retrieve`` is answered.
 
 When ``prepare_retrieve`` times out it may still run later and record pending reads, so

@@ -11,7 +11,7 @@ connections (ZMQ channels, the SHM plane), and the rules every operation follows
 * :meth:`Session.close` drains running operations, settles fired releases and the
   obligations of timed-out operations (``client/late.py``), unregisters and unmaps.
 
-Two registrations per context (doc §3.11, ``docs/guarantees.md``): ``instance_id`` (the
+Two registrations per context (docs/protocol.md §3.11, ``docs/guarantees.md``): ``instance_id`` (the
 *reader*: lookups and retrieves; pinged at connect and by the heartbeat, so a dead client's
 read locks are reaped after the reap timeout) and ``writer_id`` (the *writer*: only
 ``prepare_store`` / ``commit_store``; never pinged, kept alive by re-registering it, so the
@@ -110,7 +110,7 @@ class Session:
     #: Column offset of every shard's slice of the hidden dimension.
     shard_cols: list[int]
     dtype: torch.dtype
-    #: Shape of the engine-driven object the server allocates per chunk (doc §3.1).
+    #: Shape of the engine-driven object the server allocates per chunk (docs/protocol.md §3.1).
     object_shape: tuple[int, ...]
     #: The server's liveness and TTL settings (``/config``; defaults when absent), in s.
     reap_timeout_s: float = 120.0
@@ -183,7 +183,7 @@ class Session:
             planes=lay.planes, layers=lay.num_layers, chunk_tokens=self.chunk_size,
             width=width, itemsize=lay.itemsize,
         )
-        # The engine-driven object the server allocates: [2, L, C, W] or [L, C, W] (doc §3.1).
+        # The engine-driven object the server allocates: [2, L, C, W] or [L, C, W] (docs/protocol.md §3.1).
         shape = self.geom.object_shape()
         self.object_shape = shape if lay.planes == 2 else shape[1:]
 
@@ -310,7 +310,7 @@ class Session:
         """Serialize prepare→commit of identical keys within this instance; yield the key.
 
         The server keys pending transfers by ``(instance_id, key)`` ignoring the request id
-        (doc §3.4): two concurrent identical operations of one instance would overwrite each
+        (docs/protocol.md §3.4): two concurrent identical operations of one instance would overwrite each
         other's pending entry and leak read locks or staged slots. Different keys never wait.
         A retrieve's commit is not awaited (DeferredReleases): an identical operation
         waits for its acknowledgement here, under the key's lock.
@@ -451,7 +451,7 @@ class Session:
         Obligations of timed-out operations are settled first (at most
         ``min(timeout, SETTLE_LATE_S)``). The reader is always unregistered (it never holds
         a reservation); the writer only when no reservation of it can be pending (the
-        server would admit its slots as data, doc §3.2): otherwise it stays registered and
+        server would admit its slots as data, docs/protocol.md §3.2): otherwise it stays registered and
         the server reaps it after its registration grace, when the reservation's write TTL
         has expired and the reap cannot admit it. Nothing in a forked child.
         """
@@ -504,7 +504,7 @@ class Session:
                 logger.warning(
                     "not unregistering writer instance %d: a reservation of a failed store "
                     "may still be pending on the server (unregistering would admit its "
-                    "unfilled slots as data, doc §3.2). The server reaps it after its "
+                    "unfilled slots as data, docs/protocol.md §3.2). The server reaps it after its "
                     "registration grace (%gs), when the reservation's write TTL (%gs) has "
                     "expired", self.writer_id, self.registration_grace_s, self.write_ttl_s,
                 )

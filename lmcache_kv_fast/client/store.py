@@ -4,7 +4,7 @@ SHM plane: ``prepare_store`` (one per shard) → scatter into the reserved slots
 ``commit_store`` (awaited: ``store()`` promises the chunks are visible when it returns) →
 ``end_session``. Pickle plane: a lookup skips the cached prefix, then one ``commit_store``
 per shard carries the pickled chunks. When some chunk got no slot, lookups tell "already
-cached" (or being written by another client) from "L1 full" (doc §11 #10).
+cached" (or being written by another client) from "L1 full" (docs/protocol.md §11 #10).
 """
 
 from __future__ import annotations

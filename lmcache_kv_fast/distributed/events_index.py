@@ -3,7 +3,7 @@
 Each server's ``subscribe_kv_events`` stream (:func:`lmcache_kv_fast.events.subscribe`) is
 followed on a thread: ``stored`` records add their chunk hash to that server's set,
 ``removed`` records (eviction, ``clear``) drop theirs, and a resync (lost records, server
-restarted) empties the set. What the server's stream covers (protocol doc §9, §11 #21):
+restarted) empties the set. What the server's stream covers (docs/protocol.md §9, §11 #21):
 
 * **engine stores** (vLLM's lmcache-driven path): announced as ``stored`` records;
 * **every removal**, whoever stored the chunk;
@@ -12,7 +12,7 @@ restarted) empties the set. What the server's stream covers (protocol doc §9, �
   other SDK processes can forward theirs with :meth:`KVEventsIndex.note_tokens` (e.g. from
   an :func:`lmcache_kv_fast.events.add_listener` callback).
 
-Hashes carry no salt and no world size (protocol doc §8.2): the index is a *hint*. Routing
+Hashes carry no salt and no world size (docs/protocol.md §8.2): the index is a *hint*. Routing
 with it (``route=index``) confirms sequences it knows nowhere with lookups, and an item it
 sent to a server that no longer holds the prefix is routed again by lookups.
 """

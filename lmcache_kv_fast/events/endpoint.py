@@ -12,11 +12,12 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
-from lmcache_kv_fast.errors import InvalidArgumentError, KVCacheSDKError, ProtocolError
+from lmcache_kv_fast.errors import InvalidArgumentError, KVCacheSDKError
 from lmcache_kv_fast.events.common import _PROBE_TIMEOUT_S
 from lmcache_kv_fast.hashing import HASH_ALGORITHM
 from lmcache_kv_fast.protocol.constants import DEFAULT_REAP_TIMEOUT_S, FORBIDDEN_MODEL_CHARS
 from lmcache_kv_fast.protocol.detect import detect_generation
+from lmcache_kv_fast.protocol.mp_config import mp_chunk_size, require_zmq_transport
 from lmcache_kv_fast.protocol.ops import Generation
 from lmcache_kv_fast.transport.http import HttpInfoClient
 from lmcache_kv_fast.transport.urls import parse_http_url, parse_zmq_url
@@ -68,14 +69,8 @@ class EventsEndpoint:
         _check_endpoint_args(url, http_url, model_name, timeout)
         http = HttpInfoClient(http_url.rstrip("/"), min(timeout, _PROBE_TIMEOUT_S))
         mp = http.config()["mp"]
-        chunk = mp.get("chunk_size")
-        if type(chunk) is not int or chunk <= 0:
-            raise ProtocolError(f"/config mp.chunk_size: expected a positive int, got {chunk!r}")
-        if mp.get("transport", "zmq") != "zmq":
-            raise KVCacheSDKError(
-                f"the server at {http_url} uses transport {mp.get('transport')!r}; this SDK "
-                "speaks the ZMQ transport"
-            )
+        chunk = mp_chunk_size(mp)
+        require_zmq_transport(mp, http_url)
         version = http.version()
         gen, _ = detect_generation(version, mp)
         return cls(

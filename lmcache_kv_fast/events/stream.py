@@ -1,7 +1,7 @@
 """The server's KV-event stream: :func:`subscribe` and :class:`KVEventSubscription`.
 
-:func:`subscribe` opens the server's credit-based ``subscribe_kv_events`` stream (protocol
-doc §2.6, §9) on a DEALER socket of its own and returns a :class:`KVEventSubscription`, an
+:func:`subscribe` opens the server's credit-based ``subscribe_kv_events`` stream (docs/protocol.md
+§2.6, §9) on a DEALER socket of its own and returns a :class:`KVEventSubscription`, an
 iterator of typed :class:`~lmcache_kv_fast.events.stream_io.KVEventBatch` objects. Each
 batch is acknowledged when the consumer asks for the next one (the server sends the next
 batch only after that ack); a ``ping`` thread keeps the subscription alive against the

@@ -2,10 +2,14 @@
 
 * :mod:`~lmcache_kv_fast.layout.formats` — the 19 engine KV formats as one table.
 * :mod:`~lmcache_kv_fast.layout.decode` — parse ``cache_context_meta`` entries into
-  per-group geometry and the chunk object the SDK registers (docs/protocol.md §5.2, §6).
+  per-group geometry and the chunk object the SDK registers (docs/protocol.md §5.2, §6);
+  its parts: :mod:`~lmcache_kv_fast.layout.status_fields` (checked ``/status`` field
+  access), :mod:`~lmcache_kv_fast.layout.concrete_shape` (``engine_kv_concrete_shape``),
+  :mod:`~lmcache_kv_fast.layout.decode_group` (one kernel group),
+  :mod:`~lmcache_kv_fast.layout.decoded` (the decoded types).
 * :mod:`~lmcache_kv_fast.layout.kvlayout` — :class:`KVLayout`, the whole-model
   geometry the user works with.
-* :mod:`~lmcache_kv_fast.layout.engine_groups` — engine-group helpers (§4.6).
+* :mod:`~lmcache_kv_fast.layout.engine_groups` — engine-group helpers (docs/protocol.md §4.6).
 * :mod:`~lmcache_kv_fast.layout.hf_config` — KV geometry from a model's ``config.json``
   (:meth:`KVLayout.from_hf_config`).
 * :mod:`~lmcache_kv_fast.layout.cpu_engine` — a CPU vLLM engine's raw KV rows <-> per-token

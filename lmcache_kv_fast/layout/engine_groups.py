@@ -18,7 +18,7 @@ from collections.abc import Mapping, Sequence
 from numbers import Integral
 from typing import Any, cast
 
-from lmcache_kv_fast.layout.decode import _int, _int_list, kernel_groups_of
+from lmcache_kv_fast.layout.status_fields import check_int, check_int_list, kernel_groups_of
 from lmcache_kv_fast.protocol.types import EngineGroupInfo
 
 __all__ = [
@@ -241,9 +241,9 @@ def groups_from_status_entry(entry: Mapping[str, Any]) -> list[EngineGroupInfo]:
     out: list[EngineGroupInfo] = []
     for i, kg in enumerate(kernel_groups_of(entry)):
         where = f"entry.kv_cache_layout.kernel_groups[{i}]"
-        engine_group_id = _int(kg.get("engine_group_idx", 0), f"{where}.engine_group_idx")
-        layers = _int_list(kg.get("layer_indices"), f"{where}.layer_indices")
-        tokens_per_block = _int(kg.get("tokens_per_block", 0), f"{where}.tokens_per_block")
+        engine_group_id = check_int(kg.get("engine_group_idx", 0), f"{where}.engine_group_idx")
+        layers = check_int_list(kg.get("layer_indices"), f"{where}.layer_indices")
+        tokens_per_block = check_int(kg.get("tokens_per_block", 0), f"{where}.tokens_per_block")
         out.append(
             EngineGroupInfo(
                 engine_group_id=engine_group_id,

@@ -22,7 +22,7 @@ import torch
 from lmcache_kv_fast.errors import InvalidArgumentError, InvalidTypeError, KVCacheSDKError
 
 if TYPE_CHECKING:
-    from lmcache_kv_fast.layout.decode import DecodedEntry
+    from lmcache_kv_fast.layout.decoded import DecodedEntry
 
 __all__ = ["SUPPORTED_DTYPES", "KVLayout", "layout_from_hf_config", "normalize_dtype"]
 

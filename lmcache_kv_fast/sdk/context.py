@@ -37,17 +37,16 @@ from lmcache_kv_fast.errors import (
     ContextClosedError,
     InvalidArgumentError,
     InvalidTypeError,
-    KVCacheSDKError,
     LMCacheSDKError,
 )
-from lmcache_kv_fast.layout import CpuEngineKV, KVLayout
+from lmcache_kv_fast.layout import KVLayout
+from lmcache_kv_fast.protocol.mp_config import mp_chunk_size
 from lmcache_kv_fast.results import StoreResult
 from lmcache_kv_fast.sdk.cache_kind import LMCacheSDKCacheKind
-from lmcache_kv_fast.sdk.engine_shim import cpu_engine_for
 from lmcache_kv_fast.sdk.qlayout import query_layout
 from lmcache_kv_fast.sdk.urls import normalize_request_url
 from lmcache_kv_fast.transport.http import HttpInfoClient
-from lmcache_kv_fast.validation import check_connect_args, normalize_tokens
+from lmcache_kv_fast.validation import check_connect_args
 
 logger = logging.getLogger(__name__)
 
@@ -121,8 +120,6 @@ class LMCacheSDKContext:
         self._timeout = timeout
         self._options = dict(options)
         self._kv: LMCacheKVCacheContext | None = None
-        #: A CPU engine's row converter while the core cannot do it (engine_shim.py).
-        self._cpu: CpuEngineKV | None = None
         self._closed = False
         self.register_caches()
 
@@ -146,20 +143,12 @@ class LMCacheSDKContext:
         if self._kind is LMCacheSDKCacheKind.QUERY and opts.get("layout") is None:
             opts["layout"], ws = self._query_geometry(name)
             opts.setdefault("world_size", ws)
-        elif self._kind is LMCacheSDKCacheKind.KV:
-            found = cpu_engine_for(self._http_url, name,
-                                   min(float(self._timeout), CONNECT_PROBE_TIMEOUT_S), opts)
-            if found is not None:
-                self._cpu, opts = found
         self._kv = LMCacheKVCacheContext(self._url, self._http_url, name, self._timeout, **opts)
 
     def _query_geometry(self, name: str) -> tuple[KVLayout, int]:
         http = HttpInfoClient(self._http_url.rstrip("/"), min(float(self._timeout),
                                                                CONNECT_PROBE_TIMEOUT_S))
-        chunk = http.config()["mp"].get("chunk_size")
-        if type(chunk) is not int or chunk <= 0:
-            raise KVCacheSDKError(f"/config mp.chunk_size of {self._http_url}: expected a "
-                                  f"positive integer, got {chunk!r:.40}")
+        chunk = mp_chunk_size(http.config()["mp"])
         return query_layout(http.status(), name, chunk, self._http_url)
 
     @property
@@ -202,8 +191,8 @@ class LMCacheSDKContext:
 
     @property
     def layout(self) -> KVLayout:
-        """Geometry of the tensors of this kind (one plane for query tensors)."""
-        return self._cpu.token_layout if self._cpu is not None else self.kv_context.layout
+        """Geometry of the tensors of this kind (query tensors: one plane; CPU engine: per token)."""
+        return self.kv_context.layout
 
     @property
     def dtype(self) -> torch.dtype:
@@ -217,8 +206,6 @@ class LMCacheSDKContext:
 
     def tensor_shape(self, tokens: int) -> tuple[int, ...]:
         """Shape :meth:`retrieve` returns for ``tokens`` tokens."""
-        if self._cpu is not None:
-            return tuple(self._cpu.token_layout.tensor_shape(tokens))
         shape = tuple(self.kv_context.kv_shape(tokens))
         return (1, *shape) if self._kind is LMCacheSDKCacheKind.QUERY and len(shape) == 3 \
             else shape
@@ -248,8 +235,6 @@ class LMCacheSDKContext:
                                        **kwargs)
         if got is not None and self._kind is LMCacheSDKCacheKind.QUERY and got.dim() == 3:
             got = got.unsqueeze(0)
-        if got is not None and self._cpu is not None:
-            got = self._cpu.to_tokens(got)
         return got
 
     def store(self, kv: torch.Tensor, tokens: Sequence[int], cache_salt: str = "",
@@ -280,22 +265,16 @@ class LMCacheSDKContext:
         """Store like :meth:`store` and say what happened to every chunk."""
         if not isinstance(kv, torch.Tensor):
             raise InvalidTypeError(f"kv must be a torch.Tensor, got {type(kv).__name__}")
-        kv, toks = self.to_server(kv, tokens)
-        return self.kv_context.store_ex(kv, toks, cache_salt, request_configs=request_configs,
+        return self.kv_context.store_ex(kv, tokens, cache_salt, request_configs=request_configs,
                                         **kwargs)
 
     def to_server(self, kv: torch.Tensor, tokens: Sequence[int]
                   ) -> tuple[torch.Tensor, Sequence[int]]:
-        """``(kv, tokens)`` as the core context stores them (a CPU engine's rows: whole chunks)."""
-        if self._cpu is None:
-            return kv, tokens
-        toks = normalize_tokens(tokens)
-        if kv.dim() != 4 or kv.shape[2] != len(toks):
-            raise InvalidArgumentError(
-                f"kv must be per-token K/V [2, L, T, D] with T = len(tokens) = {len(toks)}, "
-                f"got {list(kv.shape)}")
-        n = len(toks) // self.chunk_size * self.chunk_size
-        return self._cpu.to_raw(kv[:, :, :n]), toks[:n]
+        """``(kv, tokens)`` as :attr:`kv_context` stores them: unchanged.
+
+        The core context converts a CPU engine's per-token K/V to the engine's rows itself.
+        """
+        return kv, tokens
 
     def close(self) -> None:
         """Unregister and release this context's resources. Idempotent."""

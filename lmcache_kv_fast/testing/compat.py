@@ -203,9 +203,9 @@ class TheirSDK:
 
     def log_tail(self, n: int = 30) -> str:
         """The last ``n`` lines of the child's log."""
-        if not self.log_path.exists():
-            return ""
-        return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-n:])
+        from lmcache_kv_fast.testing.logtail import log_tail
+
+        return log_tail(self.log_path, n)
 
     # -- requests --------------------------------------------------------------------
     def _call(self, cmd: str, **kw: Any) -> Any:

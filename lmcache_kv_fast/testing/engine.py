@@ -34,12 +34,14 @@ import torch
 from lmcache_kv_fast.testing.engine_proc import (
     KEEP_LOGS_ENV,
     REPO_ROOT,
+    ChildOwner,
     EngineChild,
     EngineChildError,
     child_env,
     engine_python,
     stop_group,
 )
+from lmcache_kv_fast.testing.logtail import log_tail
 from lmcache_kv_fast.testing.server import free_port
 
 logger = logging.getLogger(__name__)
@@ -77,7 +79,7 @@ def _connector_config(lmcache_port: int, host: str = "tcp://127.0.0.1") -> dict[
     }
 
 
-class OfflineEngine:
+class OfflineEngine(ChildOwner):
     """``vllm.LLM`` (offline) in an engine-venv child process.
 
     Args:
@@ -101,21 +103,8 @@ class OfflineEngine:
         }, name="vllm-offline", start_timeout=start_timeout)
         self.info: dict[str, Any] = {}
 
-    def start(self) -> OfflineEngine:
-        """Start the engine (blocks until it is ready)."""
-        self._child.start()
-        self.info = dict(self._child.ready_info or {})
-        return self
-
-    def stop(self) -> None:
-        """Stop the engine and its processes (idempotent)."""
-        self._child.stop()
-
-    def __enter__(self) -> OfflineEngine:
-        return self.start()
-
-    def __exit__(self, *exc: object) -> None:
-        self.stop()
+    def _ready(self, info: dict[str, Any]) -> None:
+        self.info = info
 
     @property
     def isa(self) -> list[str]:
@@ -149,12 +138,7 @@ class OfflineEngine:
 
     def read_blocks(self, block_ids: list[int]) -> torch.Tensor:
         """Copy of the engine's paged KV of ``block_ids``: ``[L, nb, NH, BS, 2*HS]``."""
-        path = self._child.tmp_path(f"blocks-{time.monotonic_ns()}.pt")
-        self._child.call("read_blocks", block_ids=[int(b) for b in block_ids], path=str(path))
-        try:
-            return torch.load(path)
-        finally:
-            path.unlink(missing_ok=True)
+        return self._child.call_load("read_blocks", block_ids=[int(b) for b in block_ids])
 
     def reset_prefix_cache(self) -> bool:
         """Drop vLLM's local prefix cache (later hits can only come from LMCache)."""
@@ -171,12 +155,7 @@ class OfflineEngine:
             ``{"machine": {...}, "cases": [{..., "k", "v", "cache"} or {..., "error"}]}``
             with ``k``/``v`` ``[T, NH, HS]`` and ``cache`` ``[NB, NH, BS, 2*HS]``.
         """
-        path = self._child.tmp_path(f"probe-{time.monotonic_ns()}.pt")
-        self._child.call("kernel_probe", cases=cases, path=str(path))
-        try:
-            return torch.load(path)
-        finally:
-            path.unlink(missing_ok=True)
+        return self._child.call_load("kernel_probe", cases=cases)
 
     def metrics(self) -> dict[str, float]:
         """The prefix-cache counters of vLLM (local and external)."""
@@ -325,9 +304,7 @@ class OpenAIEngine:
 
     def log_tail(self, n: int = 60) -> str:
         """The last ``n`` lines of the server log."""
-        if self.log_path is None or not self.log_path.exists():
-            return ""
-        return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-n:])
+        return log_tail(self.log_path, n)
 
     def metrics(self) -> dict[str, float]:
         """The prefix-cache counters of ``/metrics`` (local and external), summed over labels."""

@@ -29,7 +29,9 @@ import subprocess
 import tempfile
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, Self
+
+from lmcache_kv_fast.testing.logtail import log_tail
 
 logger = logging.getLogger(__name__)
 
@@ -234,6 +236,38 @@ class EngineChild:
             raise EngineChildError(f"{self.name}: not running")
         return self.tmp_dir / name
 
+    def call_load(self, op: str, timeout: float = 300.0, **args: Any) -> Any:
+        """Run ``op`` with ``path=`` a fresh file; return what the child saved there.
+
+        The child ``torch.save``-s its result to ``path``; the file is removed afterwards.
+        """
+        import torch
+
+        path = self.tmp_path(f"{op}-{time.monotonic_ns()}.pt")
+        try:
+            self.call(op, timeout, path=str(path), **args)
+            return torch.load(path)
+        finally:
+            path.unlink(missing_ok=True)
+
+    def call_send(self, op: str, tensor: Any, key: str = "path", timeout: float = 300.0,
+                  **args: Any) -> Any:
+        """Run ``op`` with ``tensor`` saved to a fresh file passed as ``args[key]``.
+
+        ``tensor`` may be None: then ``args[key]`` is None and no file is written. The
+        file is removed afterwards.
+        """
+        if tensor is None:
+            return self.call(op, timeout, **{key: None}, **args)
+        import torch
+
+        path = self.tmp_path(f"{op}-{time.monotonic_ns()}.pt")
+        try:
+            torch.save(tensor.contiguous(), path)
+            return self.call(op, timeout, **{key: str(path)}, **args)
+        finally:
+            path.unlink(missing_ok=True)
+
     def _read_reply(self, rid: int, timeout: float, what: str) -> Any:
         assert self.proc is not None and self.proc.stdout is not None
         fd = self.proc.stdout.fileno()
@@ -266,7 +300,33 @@ class EngineChild:
 
     def log_tail(self, n: int = 60) -> str:
         """The last ``n`` lines of the child's log."""
-        if self.log_path is None or not self.log_path.exists():
-            return ""
-        lines = self.log_path.read_text(errors="replace").splitlines()
-        return "\n".join(lines[-n:])
+        return log_tail(self.log_path, n)
+
+
+class ChildOwner:
+    """``start`` / ``stop`` / ``with`` of an object whose work runs in one :class:`EngineChild`.
+
+    A subclass sets ``self._child`` in its constructor and overrides :meth:`_ready` to keep
+    what the child's ``ready`` reply says.
+    """
+
+    _child: EngineChild
+
+    def start(self) -> Self:
+        """Start the child and wait until it is ready (stopped again if it fails)."""
+        self._child.start()
+        self._ready(dict(self._child.ready_info or {}))
+        return self
+
+    def _ready(self, info: dict[str, Any]) -> None:
+        """Keep what the child's ``ready`` reply says (nothing by default)."""
+
+    def stop(self) -> None:
+        """Stop the child and its processes (idempotent)."""
+        self._child.stop()
+
+    def __enter__(self) -> Self:
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()

@@ -10,16 +10,15 @@ engine's raw rows to.
 
 from __future__ import annotations
 
-import time
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from lmcache_kv_fast.testing.engine_proc import EngineChild
+from lmcache_kv_fast.testing.engine_proc import ChildOwner, EngineChild
 
 
-class TransformersOracle:
+class TransformersOracle(ChildOwner):
     """``AutoModelForCausalLM`` on the model directory, in float32 by default.
 
     Args:
@@ -34,30 +33,12 @@ class TransformersOracle:
                                   name="hf-oracle", start_timeout=start_timeout)
         self.info: dict[str, Any] = {}
 
-    def start(self) -> TransformersOracle:
-        """Load the model in the child."""
-        self._child.start()
-        self.info = dict(self._child.ready_info or {})
-        return self
-
-    def stop(self) -> None:
-        """Stop the child (idempotent)."""
-        self._child.stop()
-
-    def __enter__(self) -> TransformersOracle:
-        return self.start()
-
-    def __exit__(self, *exc: object) -> None:
-        self.stop()
+    def _ready(self, info: dict[str, Any]) -> None:
+        self.info = info
 
     def kv(self, tokens: list[int]) -> torch.Tensor:
         """K/V of ``tokens`` from one forward pass: ``[2, L, T, NH*HS]`` float32."""
-        path = self._child.tmp_path(f"kv-{time.monotonic_ns()}.pt")
-        self._child.call("kv", tokens=[int(t) for t in tokens], path=str(path))
-        try:
-            return torch.load(path)
-        finally:
-            path.unlink(missing_ok=True)
+        return self._child.call_load("kv", tokens=[int(t) for t in tokens])
 
     def next_logprobs(self, tokens: list[int], past_kv: torch.Tensor | None = None,
                       start_pos: int | None = None) -> torch.Tensor:
@@ -69,15 +50,6 @@ class TransformersOracle:
                 rotated at whatever positions it was computed for).
             start_pos: Position of ``tokens[0]`` (default P).
         """
-        past_path = None
-        if past_kv is not None:
-            past_path = self._child.tmp_path(f"past-{time.monotonic_ns()}.pt")
-            torch.save(past_kv.contiguous(), past_path)
-        try:
-            vec = self._child.call("next_logprobs", tokens=[int(t) for t in tokens],
-                                   past_path=None if past_path is None else str(past_path),
-                                   start_pos=start_pos)
-        finally:
-            if past_path is not None:
-                past_path.unlink(missing_ok=True)
+        vec = self._child.call_send("next_logprobs", past_kv, key="past_path",
+                                    tokens=[int(t) for t in tokens], start_pos=start_pos)
         return torch.tensor(vec, dtype=torch.float32)

@@ -13,14 +13,13 @@ must run with ``--enable transfer_query --supported-transfer-mode auto``
 from __future__ import annotations
 
 import sys
-import time
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from lmcache_kv_fast.testing.engine_proc import EngineChild
+from lmcache_kv_fast.testing.engine_proc import ChildOwner, EngineChild
 
 __all__ = ["QUERY_SERVER_ARGS", "QueryExporter"]
 
@@ -29,7 +28,7 @@ __all__ = ["QUERY_SERVER_ARGS", "QueryExporter"]
 QUERY_SERVER_ARGS = ("--enable", "transfer_query")
 
 
-class QueryExporter:
+class QueryExporter(ChildOwner):
     """A child process that registers a model's KV cache and query ring and stores into them.
 
     Args:
@@ -68,21 +67,9 @@ class QueryExporter:
         """``num_q_heads * head_size``."""
         return self.num_q_heads * self.head_size
 
-    def start(self) -> QueryExporter:
-        """Start the child; it registers the KV cache and the query ring."""
-        self._child.start()
-        self.instance_id = int((self._child.ready_info or {}).get("instance_id", 0))
-        return self
-
-    def stop(self) -> None:
-        """Unregister and stop the child (idempotent)."""
-        self._child.stop()
-
-    def __enter__(self) -> QueryExporter:
-        return self.start()
-
-    def __exit__(self, *exc: object) -> None:
-        self.stop()
+    def _ready(self, info: dict[str, Any]) -> None:
+        # the child registered the KV cache and the query ring; it unregisters on stop
+        self.instance_id = int(info.get("instance_id", 0))
 
     def random_query(self, tokens: int, seed: int) -> torch.Tensor:
         """A ``[L, tokens, HQ·HS]`` query tensor of the model's dtype."""
@@ -90,13 +77,8 @@ class QueryExporter:
         return torch.randn(self.num_layers, tokens, self.query_width, generator=g).to(self.dtype)
 
     def _send(self, op: str, tokens: Sequence[int], t: torch.Tensor, salt: str) -> bool:
-        path = self._child.tmp_path(f"{op}-{time.monotonic_ns()}.pt")
-        torch.save(t.contiguous(), path)
-        try:
-            return bool(self._child.call(op, 120.0, tokens=[int(x) for x in tokens],
-                                         path=str(path), cache_salt=salt))
-        finally:
-            path.unlink(missing_ok=True)
+        return bool(self._child.call_send(op, t, timeout=120.0, tokens=[int(x) for x in tokens],
+                                          cache_salt=salt))
 
     def store_query(self, tokens: Sequence[int], q: torch.Tensor, cache_salt: str = "") -> bool:
         """Store ``q`` (``[L, T, HQ·HS]``, T a multiple of the chunk size) for ``tokens``."""

@@ -28,6 +28,7 @@ import zmq
 from lmcache_kv_fast.protocol import codec
 from lmcache_kv_fast.protocol.constants import SHM_POOL_PREFIX
 from lmcache_kv_fast.protocol.ops import GEN_056, Generation, Op, parse_version
+from lmcache_kv_fast.testing.logtail import log_tail
 from lmcache_kv_fast.transport.http import HttpInfoClient
 
 logger = logging.getLogger(__name__)
@@ -276,10 +277,7 @@ class LMCacheServer:
 
     def log_tail(self, n: int = 40) -> str:
         """The last ``n`` lines of the server log."""
-        if self.log_path is None or not self.log_path.exists():
-            return ""
-        lines = self.log_path.read_text(errors="replace").splitlines()
-        return "\n".join(lines[-n:])
+        return log_tail(self.log_path, n)
 
     def kill(self) -> None:
         """SIGKILL the server (fault tests); its segment stays until :meth:`stop`."""

@@ -24,10 +24,54 @@ import contextlib
 import runpy
 import sys
 import uuid
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
+from typing import Any
 
 from lmcache_kv_fast.layout import CpuEngineKV, KVLayout
-from lmcache_kv_fast.testing import register_vllm_layout
+from lmcache_kv_fast.testing.register import VllmLikeRegistration, register_vllm_layout
+
+__all__ = ["cpu_engine_kv", "register_rows_layout", "store_rows", "upstream_on_cpu_engine"]
+
+
+def register_rows_layout(url: str, model_name: str, cpu: CpuEngineKV) -> VllmLikeRegistration:
+    """A vLLM-like registration whose one-plane object is the engine's rows (item 1 above).
+
+    Upstream's ``connect`` reads it; unregister it once connected (nobody else should see it).
+    """
+    raw = cpu.raw_layout
+    return register_vllm_layout(url, model_name, num_layers=raw.num_layers, num_kv_heads=1,
+                                head_size=raw.head_dim, dtype=raw.dtype_str,
+                                block_size=raw.block_size, layout="MLA")
+
+
+def store_rows(ctx: Any, rows: Any, tokens: Sequence[int], cache_salt: str = "",
+               request_configs: dict[str, object] | None = None) -> bool:
+    """Upstream 0.5.6's ``LMCacheSDKContext.store`` of one-plane rows ``[L, T, W]``.
+
+    Its own ``store`` cannot write a one-plane object over SHM: it takes ``[X, L, T, D]``
+    and ``ContiguousTransferWrapper.store`` copies the 4-D slice ``kv[:, :, a:b, :]`` into
+    the 3-D ``[L, C, W]`` slot (RuntimeError: "output with shape [L, C, W] doesn't match the
+    broadcast shape [1, L, C, W]"). This is the same flow (its key, its engine-driven
+    context's ``prepare_store`` / ``commit_store``, ``end_session``) with the slot copy
+    taking the one plane. Whole chunks of ``tokens`` are stored.
+    """
+    c = ctx.chunk_size
+    t = len(tokens) // c * c
+    rows = rows[:, :t].contiguous()
+    rid = f"store-{uuid.uuid4().hex}"
+    key = ctx._create_key(list(tokens[:t]), 0, t, rid, cache_salt, request_configs, 0)
+    inner = ctx.transfer_ctx._context
+    try:
+        res = inner.prepare_store(key, ctx.instance_id)
+        if res is None:  # pickle plane
+            chunks = [rows[:, i * c:(i + 1) * c].contiguous() for i in range(t // c)]
+        else:
+            for slot, ci in zip(*res, strict=True):
+                slot.copy_(rows[:, ci * c:(ci + 1) * c])
+            chunks = []
+        return bool(inner.commit_store(key, ctx.instance_id, chunks))
+    finally:
+        ctx.end_session(rid)
 
 
 @contextlib.contextmanager
@@ -36,9 +80,7 @@ def upstream_on_cpu_engine(url: str, model_name: str, cpu: CpuEngineKV) -> Itera
     from lmcache.sdk.context import LMCacheSDKContext
 
     raw = cpu.raw_layout
-    reg = register_vllm_layout(url, model_name, num_layers=raw.num_layers, num_kv_heads=1,
-                               head_size=raw.head_dim, dtype=raw.dtype_str,
-                               block_size=raw.block_size, layout="MLA")
+    reg = register_rows_layout(url, model_name, cpu)
     orig_retrieve, orig_store = LMCacheSDKContext.retrieve, LMCacheSDKContext.store
 
     def retrieve(self, tokens, cache_salt="", request_configs=None):
@@ -47,23 +89,9 @@ def upstream_on_cpu_engine(url: str, model_name: str, cpu: CpuEngineKV) -> Itera
                                                                     raw.head_dim))
 
     def store(self, kv, tokens, cache_salt="", request_configs=None):
-        c = self.chunk_size
-        t = len(tokens) // c * c
-        rows = cpu.to_raw(kv[:, :, :t].contiguous())
-        rid = f"store-{uuid.uuid4().hex}"
-        key = self._create_key(list(tokens[:t]), 0, t, rid, cache_salt, request_configs, 0)
-        inner = self.transfer_ctx._context
-        try:
-            res = inner.prepare_store(key, self.instance_id)
-            if res is None:  # pickle plane
-                chunks = [rows[:, i * c:(i + 1) * c].contiguous() for i in range(t // c)]
-            else:
-                for slot, ci in zip(*res, strict=True):
-                    slot.copy_(rows[:, ci * c:(ci + 1) * c])
-                chunks = []
-            return inner.commit_store(key, self.instance_id, chunks)
-        finally:
-            self.end_session(rid)
+        t = len(tokens) // self.chunk_size * self.chunk_size
+        return store_rows(self, cpu.to_raw(kv[:, :, :t].contiguous()), tokens[:t], cache_salt,
+                          request_configs)
 
     LMCacheSDKContext.retrieve, LMCacheSDKContext.store = retrieve, store
     try:

@@ -76,20 +76,15 @@ def parse_zmq_url(url: Any, what: str = "url") -> Endpoint:
             ``"<what> must look like"`` and says what is wrong.
     """
     expect = f"{what} must look like 'tcp://host:port' (port 1..65535) or 'ipc://path'"
-    text = _text(url, expect)
-    scheme, sep, rest = text.partition("://")
-    if not sep or scheme not in ZMQ_SCHEMES:
-        raise _bad(expect, url, f"the scheme must be {' or '.join(ZMQ_SCHEMES)}://")
+    scheme, rest = _scheme_and_rest(url, expect, ZMQ_SCHEMES,
+                                    f"the scheme must be {' or '.join(ZMQ_SCHEMES)}://")
     if scheme == "ipc":
         if not rest or rest == "*":
             raise _bad(expect, url, "the ipc:// path is empty")
         if len(rest.encode()) > MAX_IPC_PATH:
             raise _bad(expect, url, f"the ipc:// path is longer than {MAX_IPC_PATH} bytes")
         return Endpoint(scheme, rest, 0)
-    if "/" in rest or "?" in rest or "#" in rest:
-        raise _bad(expect, url, "no path, query or fragment is allowed")
-    (host, v6), port = _host_port(rest, expect, url, default_port=None)
-    return Endpoint(scheme, host, port, v6)
+    return _host_endpoint(scheme, rest, expect, url, default_port=None)
 
 
 def parse_http_url(url: Any, what: str = "http_url") -> Endpoint:
@@ -100,15 +95,27 @@ def parse_http_url(url: Any, what: str = "http_url") -> Endpoint:
             ``"<what> must look like"`` and says what is wrong.
     """
     expect = f"{what} must look like 'http://host:port' (port 1..65535)"
-    text = _text(url, expect)
-    scheme, sep, rest = text.partition("://")
-    if not sep or scheme not in HTTP_SCHEMES:
-        raise _bad(expect, url, "the scheme must be http:// or https://")
-    if rest.endswith("/"):
-        rest = rest[:-1]
+    scheme, rest = _scheme_and_rest(url, expect, tuple(HTTP_SCHEMES),
+                                    "the scheme must be http:// or https://")
+    return _host_endpoint(scheme, rest.removesuffix("/"), expect, url,
+                          default_port=HTTP_SCHEMES[scheme])
+
+
+def _scheme_and_rest(url: Any, expect: str, schemes: tuple[str, ...],
+                     bad_scheme: str) -> tuple[str, str]:
+    """``(scheme, rest)`` of ``scheme://rest`` after the character checks of :func:`_text`."""
+    scheme, sep, rest = _text(url, expect).partition("://")
+    if not sep or scheme not in schemes:
+        raise _bad(expect, url, bad_scheme)
+    return scheme, rest
+
+
+def _host_endpoint(scheme: str, rest: str, expect: str, url: str,
+                   default_port: int | None) -> Endpoint:
+    """The endpoint of ``host[:port]`` (``rest``): no path, query or fragment."""
     if "/" in rest or "?" in rest or "#" in rest:
         raise _bad(expect, url, "no path, query or fragment is allowed")
-    (host, v6), port = _host_port(rest, expect, url, default_port=HTTP_SCHEMES[scheme])
+    (host, v6), port = _host_port(rest, expect, url, default_port=default_port)
     return Endpoint(scheme, host, port, v6)
 
 

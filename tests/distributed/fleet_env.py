@@ -12,7 +12,6 @@ import logging
 import os
 import shutil
 import threading
-import time
 import uuid
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -23,7 +22,7 @@ import pytest
 ray = pytest.importorskip("ray", reason="the distributed tests need Ray (pip install 'lmcache-kv-fast[ray]')")
 
 import fleet_helpers  # noqa: E402
-from conftest import Model, make_model  # noqa: E402
+from conftest import Model, make_model, wait_all_zero  # noqa: E402
 from ray.cluster_utils import Cluster  # noqa: E402
 
 from lmcache_kv_fast.distributed import Server  # noqa: E402
@@ -206,81 +205,6 @@ class CommitTrap:
         self._zctx.term()
 
 
-# ---------------------------------------------------------------------- engine stores
-class EngineWriter:
-    """A CPU "vLLM worker" storing through lmcache's own lmcache-driven path (doc §10.3).
-
-    Its stores are what a real engine's look like to the server: announced as ``stored``
-    KV events (SDK stores are not).
-    """
-
-    L, NH, HS, BS = 2, 2, 16, 16
-
-    def __init__(self, server: LMCacheServer, model: str, max_tokens: int = 1024) -> None:
-        import secrets
-
-        import torch
-        from lmcache.utils import EngineType
-        from lmcache.v1.multiprocess.group_view import EngineGroupInfo
-        from lmcache.v1.multiprocess.transfer_context.worker_transfer import (
-            create_transfer_context,
-        )
-        from lmcache.v1.multiprocess.transport.factory import RequestClientFactory
-
-        self.server, self.model, self.chunk = server, model, server.chunk_size
-        nb = max(1, max_tokens // self.BS)
-        self.kv = {f"model.layers.{i}.attn": torch.randn(2, nb, self.BS, self.NH, self.HS,
-                                                         dtype=torch.bfloat16)
-                   for i in range(self.L)}
-        self.client = RequestClientFactory.create(server.url)
-        self.tc = create_transfer_context(self.kv, instance_id=secrets.randbits(31) + 1,
-                                          req_client=self.client, mode="lmcache_driven")
-        self.tc.register(
-            self.kv, model, 1, self.chunk // self.BS, 20.0, layout_hints={"kv_layout": "NHD"},
-            engine_group_infos=[EngineGroupInfo(engine_group_id=0,
-                                                layer_indices=tuple(range(self.L)),
-                                                tokens_per_block=self.BS)],
-            engine_type=EngineType.VLLM,
-        )
-
-    def layout(self) -> Any:
-        from lmcache_kv_fast import KVLayout
-
-        return KVLayout(self.L, self.NH, self.HS, "bfloat16", block_size=self.BS)
-
-    def store(self, tokens: list[int]) -> None:
-        import secrets
-
-        from lmcache.v1.multiprocess.custom_types import IPCCacheServerKey
-
-        from lmcache_kv_fast.protocol.ops import Op
-        from lmcache_kv_fast.transport.zmq_client import ZmqClient
-
-        key = IPCCacheServerKey(
-            model_name=self.model, world_size=1, worker_id=0, token_ids=tokens, start=0,
-            end=len(tokens), request_id=f"lmc-{secrets.token_hex(4)}", cache_salt="",
-            num_kv_readers=1,
-        )
-        fut = self.tc.submit_store(key.request_id, key, self.kv,
-                                   [list(range(len(tokens) // self.BS))],
-                                   self.tc.create_recorded_event(), self.chunk // self.BS)
-        assert fut.result(timeout=20) is not None
-        zc = ZmqClient(self.server.url, self.server.generation, 10.0)
-        try:
-            zc.call(Op.END_SESSION, [key.request_id])
-        finally:
-            zc.close()
-
-    def close(self) -> None:
-        try:
-            fut = self.tc.unregister()
-            if fut is not None:
-                fut.result(timeout=5)
-        finally:
-            self.tc.close()
-            self.client.close()
-
-
 def locks(server: LMCacheServer) -> dict[str, int]:
     """Locks and staged objects the server still holds."""
     l1 = server.status()["storage_manager"]["l1_manager"]
@@ -290,9 +214,4 @@ def locks(server: LMCacheServer) -> dict[str, int]:
 
 def wait_unlocked(server: LMCacheServer, timeout: float) -> dict[str, int]:
     """Poll :func:`locks` until all zero or ``timeout``; returns the last reading."""
-    deadline = time.monotonic() + timeout
-    while True:
-        left = locks(server)
-        if not any(left.values()) or time.monotonic() > deadline:
-            return left
-        time.sleep(0.2)
+    return wait_all_zero(lambda: locks(server), timeout, 0.2)

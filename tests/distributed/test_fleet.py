@@ -15,12 +15,12 @@ from conftest import Model, rand_tokens
 from fleet_env import (  # noqa: F401 - fleet_env_fixture provides the `env` fixture
     WRITE_TTL,
     CommitTrap,
-    EngineWriter,
     FleetEnv,
     fleet_env_fixture,
     wait_unlocked,
 )
 from fleet_helpers import SlowDrop, drop_every_4th, drop_every_4th_alloc, whole
+from lmc_writer import LmcDrivenWriter
 
 from lmcache_kv_fast import batch, connect
 from lmcache_kv_fast.distributed import (
@@ -309,7 +309,7 @@ def test_events_index_routes_engine_stores_and_learns_fleet_stores(env: FleetEnv
     from conftest import unique_model_name
 
     name = unique_model_name("evidx")
-    writer = EngineWriter(env.servers[2], name)
+    writer = LmcDrivenWriter(env.servers[2], name, max_tokens=1024)
     try:
         ck = {"timeout": 20.0, "layout": writer.layout()}
         c = env.servers[2].chunk_size

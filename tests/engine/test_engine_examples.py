@@ -4,29 +4,18 @@ example's and ``bench --engine``'s own server and engine start is what the fixtu
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import logging
-from pathlib import Path
-from types import ModuleType
 
-EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
-
-
-def _load(name: str) -> ModuleType:
-    spec = importlib.util.spec_from_file_location(f"example_{name}", EXAMPLES / f"{name}.py")
-    assert spec is not None and spec.loader is not None
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+from conftest import load_example
 
 
 def test_engine_token_dropping_example(caplog, engine_server, offline_engine):
     """The example's workflow on the shared engine (./scripts/run.sh runs it with its own)."""
     with caplog.at_level(logging.INFO, logger="engine_token_dropping"):
-        assert _load("engine_token_dropping").run(prompts=2, tokens=600, decode_tokens=2,
-                                                  seed=8080, server=engine_server,
-                                                  engine=offline_engine)
+        assert load_example("engine_token_dropping").run(
+            prompts=2, tokens=600, decode_tokens=2, seed=8080, server=engine_server,
+            engine=offline_engine)
     text = caplog.text
     # 600 tokens: 512 cached; 461 kept after dropping every 10th; 256 stored (1 chunk)
     assert "external prefix hits per prompt [256, 256] (expected [256, 256]" in text

@@ -8,7 +8,6 @@ wire format decodes with its own msgspec schema, written here from vLLM's field 
 from __future__ import annotations
 
 import os
-import secrets
 import signal
 import subprocess
 import sys
@@ -21,7 +20,8 @@ import msgspec
 import pytest
 import torch
 import zmq
-from conftest import make_model, rand_tokens, unique_model_name
+from conftest import make_model, rand_tokens, start_server, unique_model_name
+from lmc_writer import LmcDrivenWriter
 
 import lmcache_kv_fast.kvcache as lmc_sdk
 from lmcache_kv_fast import events
@@ -116,74 +116,10 @@ class Subscriber:
         self.ctx.term()
 
 
-# ------------------------------------------------------------------ lmcache-driven writer
-class LmcDriven:
-    """A CPU "vLLM worker" registered through lmcache's own transfer context (docs/protocol.md §10.3)."""
-
-    L, NH, HS, BS = 2, 2, 16, 16
-
-    def __init__(self, server: LMCacheServer, model: str, max_tokens: int = 512) -> None:
-        from lmcache.utils import EngineType
-        from lmcache.v1.multiprocess.group_view import EngineGroupInfo
-        from lmcache.v1.multiprocess.transfer_context.worker_transfer import (
-            create_transfer_context,
-        )
-        from lmcache.v1.multiprocess.transport.factory import RequestClientFactory
-
-        self.server, self.model = server, model
-        self.chunk = server.chunk_size
-        nb = max(1, max_tokens // self.BS)
-        self.kv = {f"model.layers.{i}.attn": torch.randn(2, nb, self.BS, self.NH, self.HS,
-                                                         dtype=torch.bfloat16)
-                   for i in range(self.L)}
-        self.client = RequestClientFactory.create(server.url)
-        self.tc = create_transfer_context(self.kv, instance_id=secrets.randbits(31) + 1,
-                                          req_client=self.client, mode="lmcache_driven")
-        self.tc.register(
-            self.kv, model, 1, self.chunk // self.BS, 20.0, layout_hints={"kv_layout": "NHD"},
-            engine_group_infos=[EngineGroupInfo(engine_group_id=0,
-                                                layer_indices=tuple(range(self.L)),
-                                                tokens_per_block=self.BS)],
-            engine_type=EngineType.VLLM,
-        )
-
-    def store(self, tokens: list[int]) -> None:
-        from lmcache.v1.multiprocess.custom_types import IPCCacheServerKey
-
-        key = IPCCacheServerKey(
-            model_name=self.model, world_size=1, worker_id=0, token_ids=tokens, start=0,
-            end=len(tokens), request_id=f"lmc-{secrets.token_hex(4)}", cache_salt="",
-            num_kv_readers=1,
-        )
-        fut = self.tc.submit_store(key.request_id, key, self.kv,
-                                   [list(range(len(tokens) // self.BS))],
-                                   self.tc.create_recorded_event(), self.chunk // self.BS)
-        assert fut.result(timeout=20) is not None
-        # end the session like vLLM does when the request finishes (no leftovers)
-        from lmcache_kv_fast.protocol.ops import Op
-        from lmcache_kv_fast.transport.zmq_client import ZmqClient
-
-        zc = ZmqClient(self.server.url, self.server.generation, 10.0)
-        try:
-            zc.call(Op.END_SESSION, [key.request_id])
-        finally:
-            zc.close()
-
-    def close(self, unregister: bool = True) -> None:
-        try:
-            if unregister:
-                fut = self.tc.unregister()
-                if fut is not None:
-                    fut.result(timeout=5)
-        finally:
-            self.tc.close()
-            self.client.close()
-
-
 @pytest.fixture
-def lmc(server_shm: LMCacheServer) -> Iterator[LmcDriven]:
+def lmc(server_shm: LMCacheServer) -> Iterator[LmcDrivenWriter]:
     pytest.importorskip("lmcache.v1.multiprocess.transfer_context.worker_transfer")
-    w = LmcDriven(server_shm, unique_model_name("ev"))
+    w = LmcDrivenWriter(server_shm, unique_model_name("ev"))
     yield w
     w.close()
 
@@ -421,12 +357,7 @@ def fetch_replay(endpoint: str, start: int) -> list[tuple[int, bytes]]:
 
 @pytest.fixture
 def own_server() -> Iterator[LMCacheServer]:
-    srv = LMCacheServer(shm=False, l1_size_gb=0.25, chunk_size=32)
-    try:
-        srv.start()
-        yield srv
-    finally:
-        srv.stop()
+    yield from start_server(False, l1_size_gb=0.25, chunk_size=32)
 
 
 def test_publisher_withdraws_everything_on_server_restart(own_server):
@@ -436,7 +367,7 @@ def test_publisher_withdraws_everything_on_server_restart(own_server):
     tokens = rand_tokens(2 * c, seed=31)
     h = chunk_hashes(tokens, c)
     pub_ep = f"tcp://127.0.0.1:{free_port()}"
-    w = LmcDriven(own_server, model, max_tokens=2 * c)
+    w = LmcDrivenWriter(own_server, model, max_tokens=2 * c)
     with events.KVEventPublisher(own_server.url, http_url=own_server.http_url,
                                  model_name=model, publish=pub_ep) as pub:
         sub = Subscriber(pub_ep, events.DEFAULT_TOPIC)
@@ -449,7 +380,7 @@ def test_publisher_withdraws_everything_on_server_restart(own_server):
             assert got[2] == BlockRemoved(sorted(h), "CPU")
             assert pub.mapper.announced == set()
             # ... and then it goes on with the new server
-            w = LmcDriven(own_server, model, max_tokens=2 * c)
+            w = LmcDrivenWriter(own_server, model, max_tokens=2 * c)
             w.store(tokens)
             got = sub.events_until(lambda ev: len(ev) == 5, timeout=20)
             assert got[3:] == [BlockStored([h[0]], None, tokens[:c], c, None, "CPU", None),

@@ -2,34 +2,21 @@
 
 from __future__ import annotations
 
-import importlib.util
 import logging
-from pathlib import Path
-from types import ModuleType
 
-from conftest import make_model
-
-EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
-
-
-def _load(name: str) -> ModuleType:
-    spec = importlib.util.spec_from_file_location(f"example_{name}", EXAMPLES / f"{name}.py")
-    assert spec is not None and spec.loader is not None
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+from conftest import load_example, make_model
 
 
 def test_e2e_kv_edit(server, caplog):
     m = make_model(server, num_layers=2, num_kv_heads=2, head_size=64)
     with caplog.at_level(logging.INFO, logger="e2e_kv_edit"):
-        assert _load("e2e_kv_edit").run(server.url, server.http_url, m.name, tokens=1024, k=10)
+        assert load_example("e2e_kv_edit").run(server.url, server.http_url, m.name, tokens=1024, k=10)
     assert "edit read back EXACTLY (768 whole-chunk tokens)" in caplog.text
 
 
 def test_batch_rewrite(server, caplog):
     m = make_model(server, num_layers=2, num_kv_heads=2, head_size=64)
-    ex = _load("batch_rewrite")
+    ex = load_example("batch_rewrite")
     with caplog.at_level(logging.INFO, logger="batch_rewrite"):
         assert ex.run(server.url, server.http_url, m.name, prompts=6, tokens=1024, k=10,
                       check=3, progress=False)
@@ -40,7 +27,7 @@ def test_batch_rewrite(server, caplog):
 def test_batch_rewrite_reports_a_wrong_read_back(server, caplog, monkeypatch):
     """The example's check is real: an edit that differs from what it stores fails it."""
     m = make_model(server, num_layers=2, num_kv_heads=2, head_size=64)
-    ex = _load("batch_rewrite")
+    ex = load_example("batch_rewrite")
     real = ex.drop_every_kth
 
     def off_by_one(k):

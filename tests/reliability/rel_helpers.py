@@ -4,18 +4,26 @@
   a DEALER socket sends is counted by frames; :func:`one_frame_messages` lists the
   one-frame messages ever sent (a single one kills a real server's loop, docs/protocol.md §2.7).
 * :func:`leftovers` reads the server state an SDK must leave clean.
+* :func:`open_plane` is the body of a module's ``plane`` fixture (a model and a context on
+  the server of one data plane).
 """
 
 from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
+import pytest
 import zmq
+from conftest import Model, make_model, wait_all_zero
 
+import lmcache_kv_fast as lkf
 from lmcache_kv_fast.testing import LMCacheServer
+
+#: What a ``plane`` fixture yields: the server, a registered model, a context on it.
+Plane = tuple[LMCacheServer, Model, lkf.LMCacheKVCacheContext]
 
 _watch_lock = threading.Lock()
 _pending: dict[int, int] = {}
@@ -73,12 +81,7 @@ def leftovers(server: LMCacheServer) -> dict[str, int]:
 
 def wait_clean(server: LMCacheServer, timeout: float = 5.0) -> dict[str, int]:
     """Poll :func:`leftovers` until everything is zero or ``timeout``; return the last."""
-    deadline = time.monotonic() + timeout
-    while True:
-        left = leftovers(server)
-        if not any(left.values()) or time.monotonic() > deadline:
-            return left
-        time.sleep(0.1)
+    return wait_all_zero(lambda: leftovers(server), timeout, 0.1)
 
 
 def wait_until(pred: Callable[[], bool], timeout: float, step: float = 0.5) -> bool:
@@ -89,3 +92,20 @@ def wait_until(pred: Callable[[], bool], timeout: float, step: float = 0.5) -> b
             return True
         time.sleep(step)
     return pred()
+
+
+def open_plane(request: pytest.FixtureRequest, *, num_layers: int, num_kv_heads: int,
+               head_size: int) -> Iterator[Plane]:
+    """A model and a context on ``server_<request.param>`` (``shm`` or ``pickle``).
+
+    The body of a module-scoped ``plane`` fixture (``yield from open_plane(...)``); after
+    the context is closed, no one-frame message was ever sent.
+    """
+    srv: LMCacheServer = request.getfixturevalue(f"server_{request.param}")
+    m = make_model(srv, num_layers=num_layers, num_kv_heads=num_kv_heads, head_size=head_size)
+    ctx = lkf.connect(srv.url, srv.http_url, m.name, timeout=10)
+    try:
+        yield srv, m, ctx
+    finally:
+        ctx.close()
+    assert one_frame_messages() == []

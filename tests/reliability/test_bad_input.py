@@ -30,7 +30,7 @@ import numpy as np
 import pytest
 import torch
 from conftest import Model, make_model, rand_tokens
-from rel_helpers import install_frame_watch, leftovers, one_frame_messages
+from rel_helpers import Plane, install_frame_watch, leftovers, open_plane
 
 import lmcache_kv_fast as lkf
 from lmcache_kv_fast.testing import LMCacheServer
@@ -43,16 +43,8 @@ install_frame_watch()
 
 
 @pytest.fixture(scope="module", params=["shm", "pickle"])
-def plane(request: pytest.FixtureRequest) -> Iterator[tuple[LMCacheServer, Model,
-                                                          lkf.LMCacheKVCacheContext]]:
-    srv: LMCacheServer = request.getfixturevalue(f"server_{request.param}")
-    m = make_model(srv, num_layers=L, num_kv_heads=NH, head_size=HS)
-    ctx = lkf.connect(srv.url, srv.http_url, m.name, timeout=10)
-    try:
-        yield srv, m, ctx
-    finally:
-        ctx.close()
-    assert one_frame_messages() == []
+def plane(request: pytest.FixtureRequest) -> Iterator[Plane]:
+    yield from open_plane(request, num_layers=L, num_kv_heads=NH, head_size=HS)
 
 
 def _kv(t: int = C, seed: int = 0) -> torch.Tensor:

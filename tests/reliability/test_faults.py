@@ -22,7 +22,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import Model, make_model, rand_tokens
+from conftest import Model, make_model, rand_tokens, start_server
 from fake_peer import mappings
 from rel_helpers import (
     install_frame_watch,
@@ -47,15 +47,10 @@ install_frame_watch()
 
 @pytest.fixture(scope="module")
 def fault_server() -> Iterator[LMCacheServer]:
-    srv = LMCacheServer(shm=True, l1_size_gb=1.0,
-                        extra_args=["--worker-reap-timeout-seconds", str(REAP_S),
-                                    "--worker-registration-grace-seconds", str(GRACE_S),
-                                    "--l1-write-ttl-seconds", str(WRITE_TTL_S)])
-    try:
-        srv.start()
-        yield srv
-    finally:
-        srv.stop()
+    yield from start_server(True, l1_size_gb=1.0,
+                            extra_args=["--worker-reap-timeout-seconds", str(REAP_S),
+                                        "--worker-registration-grace-seconds", str(GRACE_S),
+                                        "--l1-write-ttl-seconds", str(WRITE_TTL_S)])
     assert one_frame_messages() == []
 
 

@@ -27,7 +27,7 @@ from collections.abc import Iterator
 
 import pytest
 import torch
-from conftest import Model, make_model, rand_tokens
+from conftest import Model, make_model, rand_tokens, start_server
 from delay_proxy import DelayProxy
 from rel_helpers import install_frame_watch, leftovers, wait_until
 
@@ -45,12 +45,7 @@ install_frame_watch()
 
 @pytest.fixture(scope="module")
 def srv() -> Iterator[LMCacheServer]:
-    s = LMCacheServer(shm=True, l1_size_gb=0.5)
-    try:
-        s.start()
-        yield s
-    finally:
-        s.stop()
+    yield from start_server(True, l1_size_gb=0.5)
 
 
 @contextlib.contextmanager

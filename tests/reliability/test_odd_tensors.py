@@ -23,8 +23,8 @@ from collections.abc import Callable, Iterator
 
 import pytest
 import torch
-from conftest import Model, make_model, rand_tokens
-from rel_helpers import install_frame_watch, one_frame_messages, wait_clean
+from conftest import make_model, rand_tokens
+from rel_helpers import Plane, install_frame_watch, open_plane, wait_clean
 
 import lmcache_kv_fast as lkf
 from lmcache_kv_fast.testing import LMCacheServer
@@ -36,19 +36,10 @@ T = 2 * C
 
 install_frame_watch()
 
-Plane = tuple[LMCacheServer, Model, lkf.LMCacheKVCacheContext]
-
 
 @pytest.fixture(scope="module", params=["shm", "pickle"])
 def plane(request: pytest.FixtureRequest) -> Iterator[Plane]:
-    srv: LMCacheServer = request.getfixturevalue(f"server_{request.param}")
-    m = make_model(srv, num_layers=L, num_kv_heads=NH, head_size=HS)
-    ctx = lkf.connect(srv.url, srv.http_url, m.name, timeout=10)
-    try:
-        yield srv, m, ctx
-    finally:
-        ctx.close()
-    assert one_frame_messages() == []
+    yield from open_plane(request, num_layers=L, num_kv_heads=NH, head_size=HS)
 
 
 def _kv(seed: int = 0, t: int = T, d: int = D) -> torch.Tensor:

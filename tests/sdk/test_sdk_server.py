@@ -15,7 +15,7 @@ from collections.abc import Iterator
 
 import pytest
 import torch
-from conftest import rand_tokens, unique_model_name
+from conftest import rand_tokens, start_server, unique_model_name
 
 import lmcache_kv_fast.sdk as lmc_sdk
 from lmcache_kv_fast.errors import InvalidArgumentError, LMCacheSDKError
@@ -34,13 +34,8 @@ L, NH, HS, HQ = 2, 2, 64, 4
 @pytest.fixture(scope="module")
 def qserver() -> Iterator[LMCacheServer]:
     """A real server with the query module, SHM plane, chunk 256."""
-    srv = LMCacheServer(shm=True, chunk_size=CHUNK, l1_size_gb=0.5,
-                        extra_args=list(QUERY_SERVER_ARGS))
-    try:
-        srv.start()
-        yield srv
-    finally:
-        srv.stop()
+    yield from start_server(True, chunk_size=CHUNK, l1_size_gb=0.5,
+                            extra_args=list(QUERY_SERVER_ARGS))
 
 
 @pytest.fixture(scope="module")

@@ -457,7 +457,7 @@ def test_decode_kernel_group_not_an_object() -> None:
 def test_symbolic_shape_disagreement_is_logged(caplog: pytest.LogCaptureFixture) -> None:
     entry = _real()
     _kg0(entry)["engine_kv_shape"] = "NL x [2, NB, NH, BS, HS]"
-    with caplog.at_level(logging.WARNING, logger="lmcache_kv_fast.layout.decode"):
+    with caplog.at_level(logging.WARNING, logger="lmcache_kv_fast.layout.decode_group"):
         dec = decode_status_entry(entry, 256)
     assert dec.groups[0].hidden_size == 1024
     assert "engine_kv_shape" in caplog.text

@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
-from collections.abc import Mapping
-from typing import Any
+from collections.abc import Iterator, Mapping
+from typing import TYPE_CHECKING, Any
 
 from lmcache_kv_fast.errors import KVCacheSDKError
 
-__all__ = ["EngineHookError", "check_hook_args"]
+if TYPE_CHECKING:
+    from lmcache_kv_fast.sdk.request import TokenEvent
+
+__all__ = ["EngineHookError", "OnceStream", "check_hook_args"]
 
 
 class EngineHookError(KVCacheSDKError):
@@ -34,3 +37,32 @@ def check_hook_args(prompt_token_ids: Any, sampling_params: Any, cache_salt: Any
     if not prompt:
         raise EngineHookError("prompt_token_ids is empty")
     return prompt, dict(sampling_params), cache_salt
+
+
+class OnceStream:
+    """The tokens of one engine pass, iterable once (a hook's return value).
+
+    Subclasses produce the tokens in :meth:`_events` and fill the attributes as they
+    learn them.
+
+    Attributes:
+        finish_reason: The engine's finish reason, once the stream ended.
+        num_cached_tokens: Prompt tokens the engine did not compute, or None.
+    """
+
+    #: What one pass is called in the error of a second iteration.
+    _what = "stream"
+
+    def __init__(self) -> None:
+        self.finish_reason: str | None = None
+        self.num_cached_tokens: int | None = None
+        self._started = False
+
+    def __iter__(self) -> Iterator[TokenEvent]:
+        if self._started:
+            raise EngineHookError(f"a {self._what} can be iterated once")
+        self._started = True
+        return self._events()
+
+    def _events(self) -> Iterator[TokenEvent]:
+        raise NotImplementedError

@@ -23,7 +23,7 @@ import threading
 from collections.abc import Iterator, Mapping
 from typing import Any
 
-from lmcache_kv_fast.sdk.hooks.common import EngineHookError, check_hook_args
+from lmcache_kv_fast.sdk.hooks.common import EngineHookError, OnceStream, check_hook_args
 from lmcache_kv_fast.sdk.request import TokenEvent
 
 logger = logging.getLogger(__name__)
@@ -126,7 +126,7 @@ class OpenAICompletions:
         return _CompletionStream(self, self.body(prompt, params, salt))
 
 
-class _CompletionStream:
+class _CompletionStream(OnceStream):
     """The tokens of one streamed completion (iterate once).
 
     Attributes:
@@ -135,19 +135,13 @@ class _CompletionStream:
         prompt_tokens: Prompt tokens the engine counted, or None.
     """
 
+    _what = "completion stream"
+
     def __init__(self, hook: OpenAICompletions, body: dict[str, Any]) -> None:
+        super().__init__()
         self._hook = hook
         self._body = body
-        self.finish_reason: str | None = None
-        self.num_cached_tokens: int | None = None
         self.prompt_tokens: int | None = None
-        self._started = False
-
-    def __iter__(self) -> Iterator[TokenEvent]:
-        if self._started:
-            raise EngineHookError("a completion stream can be iterated once")
-        self._started = True
-        return self._events()
 
     def _events(self) -> Iterator[TokenEvent]:
         import requests

@@ -20,7 +20,7 @@ import threading
 from collections.abc import Iterator
 from typing import Any
 
-from lmcache_kv_fast.sdk.hooks.common import EngineHookError, check_hook_args
+from lmcache_kv_fast.sdk.hooks.common import EngineHookError, OnceStream, check_hook_args
 from lmcache_kv_fast.sdk.request import TokenEvent
 
 __all__ = ["VllmLLMCompletion"]
@@ -122,7 +122,7 @@ class VllmLLMCompletion:
             self._queues.pop(rid, None)
 
 
-class _LLMStream:
+class _LLMStream(OnceStream):
     """The tokens of one generation (iterate once).
 
     Attributes:
@@ -130,17 +130,11 @@ class _LLMStream:
         num_cached_tokens: Prompt tokens vLLM did not compute (prefix cache or LMCache).
     """
 
-    def __init__(self, hook: VllmLLMCompletion, prompt: Any, params: Any) -> None:
-        self._hook, self._prompt, self._params = hook, prompt, params
-        self.finish_reason: str | None = None
-        self.num_cached_tokens: int | None = None
-        self._started = False
+    _what = "generation"
 
-    def __iter__(self) -> Iterator[TokenEvent]:
-        if self._started:
-            raise EngineHookError("a generation can be iterated once")
-        self._started = True
-        return self._events()
+    def __init__(self, hook: VllmLLMCompletion, prompt: Any, params: Any) -> None:
+        super().__init__()
+        self._hook, self._prompt, self._params = hook, prompt, params
 
     def _events(self) -> Iterator[TokenEvent]:
         hook = self._hook

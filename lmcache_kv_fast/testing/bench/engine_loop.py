@@ -24,7 +24,7 @@ Paths, side by side in one run, on the same engine and server, alternating order
   calls (with this SDK's converter, timed within its retrieve / store). Its ``store``
   cannot write single-plane objects over SHM at all (a 4-D slice copied into a 3-D slot),
   so the edit is stored through its same store flow with that copy fixed
-  (:func:`upstream_store_rows`).
+  (:func:`lmcache_kv_fast.testing.upstream_cpu.store_rows`).
 
 Reported per path (medians over reps): each phase's seconds, the SDK's share of the loop
 (retrieve + edit + store over all five), prompts/s and GB/s (per-token KV retrieved plus
@@ -172,6 +172,8 @@ class _UpstreamPath:
         self.convert_s = 0.0
 
     def loop(self, prompts: list[list[int]], secs: dict[str, float]) -> tuple[int, str]:
+        from lmcache_kv_fast.testing.upstream_cpu import store_rows
+
         cpu, k, c = self.cpu, self.s.k, self.s.chunk
         lay = cpu.raw_layout
         moved = 0
@@ -188,7 +190,7 @@ class _UpstreamPath:
             whole = len(new_toks) // c * c
             rows = cpu.to_raw(new_kv.narrow(-2, 0, whole))
             tc2 = time.perf_counter()
-            ok = upstream_store_rows(self.ctx, rows, new_toks[:whole])
+            ok = store_rows(self.ctx, rows, new_toks[:whole])
             t3 = time.perf_counter()
             if not ok:
                 return moved, "upstream store of an edit returned False"
@@ -200,49 +202,13 @@ class _UpstreamPath:
         return moved, ""
 
 
-def upstream_store_rows(ctx: Any, rows: Any, tokens: list[int]) -> bool:
-    """``LMCacheSDKContext.store`` of upstream 0.5.6 for single-plane rows ``[L, T, W]``.
-
-    Its own ``store`` cannot write a single-plane object over SHM: it takes ``[X, L, T, D]``
-    and ``ContiguousTransferWrapper.store`` copies the 4-D slice ``kv[:, :, a:b, :]`` into the
-    3-D ``[L, C, W]`` slot (RuntimeError: "output with shape [L, C, W] doesn't match the
-    broadcast shape [1, L, C, W]"). This is the same flow (its key, its engine-driven
-    context's ``prepare_store`` / ``commit_store``, ``end_session``) with the slot copy
-    taking the single plane.
-    """
-    import uuid
-
-    c = ctx.chunk_size
-    total = len(tokens) // c * c
-    rows = rows[:, :total].contiguous()
-    rid = f"store-{uuid.uuid4().hex}"
-    key = ctx._create_key(token_ids=list(tokens[:total]), start=0, end=total, request_id=rid,
-                          worker_id=0)
-    engine_ctx = ctx.transfer_ctx._context
-    try:
-        result = engine_ctx.prepare_store(key, ctx.instance_id)
-        if result is None:  # pickle plane
-            chunks = [rows[:, i * c:(i + 1) * c].contiguous() for i in range(total // c)]
-        else:
-            slots, indices = result
-            for slot, i in zip(slots, indices, strict=True):
-                slot.copy_(rows[:, i * c:(i + 1) * c])
-            chunks = []
-        return bool(engine_ctx.commit_store(key, ctx.instance_id, chunks))
-    finally:
-        ctx.end_session(rid)
-
-
 def _connect_upstream(url: str, http_url: str, model: str, cpu: Any) -> Any:
     """Upstream's context, given the engine's single-plane rows as a vLLM-style layout."""
     import lmcache.sdk.kvcache as upstream
 
-    from lmcache_kv_fast.testing import register_vllm_layout
+    from lmcache_kv_fast.testing.upstream_cpu import register_rows_layout
 
-    raw = cpu.raw_layout
-    reg = register_vllm_layout(url, model, num_layers=raw.num_layers, num_kv_heads=1,
-                               head_size=raw.head_dim, dtype=raw.dtype_str,
-                               block_size=raw.block_size, layout="MLA")
+    reg = register_rows_layout(url, model, cpu)
     try:
         return upstream.connect(url, http_url, model, timeout=60)
     finally:

@@ -14,6 +14,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+from lmcache_kv_fast.testing.logtail import log_tail
+
 logger = logging.getLogger("lmcache_kv_fast.testing.bench")
 
 #: This package's directory (``.../lmcache_kv_fast/testing/bench``).
@@ -156,7 +158,7 @@ class WorkerProc:
     def log_tail(self, n: int = 25) -> str:
         """The last ``n`` lines of the worker's log."""
         self._log.flush()
-        return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-n:])
+        return log_tail(self.log_path, n)
 
     def kill(self) -> None:
         """Kill the worker (no cleanup: use :meth:`close`)."""

@@ -1,0 +1,39 @@
+"""The server's ``GET /config`` ``mp`` section: the fields every client of it must check.
+
+Pure functions of the decoded reply (docs/protocol.md §5.1); the handshake of a context,
+the events endpoint and the sdk package's query geometry read the same fields the same way.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+from lmcache_kv_fast.errors import KVCacheSDKError, ProtocolError
+
+__all__ = ["mp_chunk_size", "require_zmq_transport"]
+
+
+def mp_chunk_size(mp: Mapping[str, Any]) -> int:
+    """``mp.chunk_size``: tokens per chunk of the server.
+
+    Raises:
+        ProtocolError: It is missing or not a positive int.
+    """
+    v = mp.get("chunk_size")
+    if type(v) is not int or v <= 0:
+        raise ProtocolError(f"/config mp.chunk_size: expected a positive integer, got {v!r:.60}")
+    return v
+
+
+def require_zmq_transport(mp: Mapping[str, Any], http_url: str) -> None:
+    """Refuse a server whose control plane is not ZMQ (``mp.transport``, 0.5.5+).
+
+    Raises:
+        KVCacheSDKError: The server uses another transport.
+    """
+    if mp.get("transport", "zmq") != "zmq":
+        raise KVCacheSDKError(
+            f"the server at {http_url} uses transport {mp.get('transport')!r}; "
+            "this SDK speaks the ZMQ transport"
+        )
