@@ -19,7 +19,7 @@ On top of batch's per-item flow it adds what a fleet needs:
   docs/distributed.md, "Faults").
 * ``want_hashes``: return the server chunk hashes of what was stored (feeds a
   :class:`~lmcache_kv_fast.distributed.events_index.KVEventsIndex`; the server announces
-  no SDK store, protocol doc §11 #21).
+  no SDK store, docs/protocol.md §11, defect 21).
 """
 
 from __future__ import annotations
