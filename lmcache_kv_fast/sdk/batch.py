@@ -15,7 +15,9 @@ Differences from 0.5.6 (docs/sdk.md):
   0.2 s);
 * every stream's failure is reported, in one :class:`LMCacheBatchedStreamError` raised
   after the whole phase ran (0.5.6 raises the first one); the phase's report is on the
-  exception (``err.metrics``);
+  exception (``err.metrics``); a modify against a server that died stops after one
+  failed stream and one unanswered ping with :class:`LMCacheBatchedStreamServerError`
+  (both that and ``ServerUnavailableError``), every stream listed;
 * reports aggregate TTFT and TPOT (mean, p50, p90), count only the selected streams, and
   the modify report says what was read, edited, stored and waited for;
 * a progress bar on long phases (``progress=None``: on a terminal, from 8 streams).
@@ -29,7 +31,12 @@ import time
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from lmcache_kv_fast.errors import InvalidArgumentError, InvalidTypeError, KVCacheSDKError
+from lmcache_kv_fast.errors import (
+    InvalidArgumentError,
+    InvalidTypeError,
+    KVCacheSDKError,
+    ServerUnavailableError,
+)
 from lmcache_kv_fast.sdk.context import ModifyFnType
 from lmcache_kv_fast.sdk.metrics import Metrics, StreamHandler, get_formatter
 from lmcache_kv_fast.sdk.modify import DEFAULT_MAX_IN_FLIGHT, ModifyOutcome, modify_streams
@@ -42,6 +49,7 @@ __all__ = [
     "DEFAULT_MAX_CONCURRENCY",
     "LMCacheBatchedStream",
     "LMCacheBatchedStreamError",
+    "LMCacheBatchedStreamServerError",
     "Metrics",
     "percentile",
 ]
@@ -63,6 +71,17 @@ class LMCacheBatchedStreamError(KVCacheSDKError):
         super().__init__(message)
         self.errors: dict[str, str] = dict(errors or {})
         self.metrics = metrics
+
+
+class LMCacheBatchedStreamServerError(LMCacheBatchedStreamError, ServerUnavailableError):
+    """A modify stopped because the server is gone (killed, frozen, unreachable).
+
+    Both an :class:`LMCacheBatchedStreamError` (``errors`` lists every stream not
+    modified: the ones in flight as failed, the rest ``not_attempted``; ``metrics`` is
+    the phase's report) and a :class:`~lmcache_kv_fast.errors.ServerUnavailableError`
+    (``report``: the rewrite engine's ``BatchReport`` of the group that stopped). Streams
+    modified before are updated; the others are unchanged.
+    """
 
 
 def percentile(values: Sequence[float], q: float) -> float | None:
@@ -305,10 +324,14 @@ class LMCacheBatchedStream:
 
         Raises:
             LMCacheBatchedStreamError: Streams failed (all listed; they are unchanged).
+            LMCacheBatchedStreamServerError: The server was found gone (a stream failed
+                and a liveness ping got no answer): the phase stopped at once; every
+                stream not modified is listed (in flight: failed; the rest:
+                ``not_attempted``). Also a ``ServerUnavailableError``.
         """
         out = self._modify(fn, stream_ids, timeout, poll_interval)
         if out.failed:
-            raise _failure("modify", self._modify_errors(out), None)
+            raise _modify_failure(out, None)
         return out.seconds
 
     def _modify(self, fn: ModifyFnType, stream_ids: list[str] | None, timeout: float,
@@ -323,10 +346,6 @@ class LMCacheBatchedStream:
         self.last_modify = out
         return out
 
-    @staticmethod
-    def _modify_errors(out: ModifyOutcome) -> dict[str, str]:
-        return {m.stream.request_stream_id: f"{m.stage}: {m.error}" for m in out.failed}
-
     def modify(self, fn: ModifyFnType, fmt: str = "terminal", width: int = 80,
                timeout: float = 30.0, poll_interval: float = 0.2,
                stream_ids: list[str] | None = None) -> Metrics:
@@ -340,12 +359,28 @@ class LMCacheBatchedStream:
 
         Raises:
             LMCacheBatchedStreamError: Streams failed (``err.metrics`` has the report).
+            LMCacheBatchedStreamServerError: The server was found gone; see
+                :meth:`modify_request_streams`.
         """
         out = self._modify(fn, stream_ids, timeout, poll_interval)
         metrics = modify_metrics(out, fmt, width)
         if out.failed:
-            raise _failure("modify", self._modify_errors(out), metrics)
+            raise _modify_failure(out, metrics)
         return metrics
+
+
+def _modify_failure(out: ModifyOutcome, metrics: Metrics | None) -> LMCacheBatchedStreamError:
+    """The error of a modify with failed streams (a server found gone: its own class)."""
+    errors = {m.stream.request_stream_id: f"{m.stage}: {m.error}" for m in out.failed}
+    gone = out.server_error
+    if gone is None:
+        return _failure("modify", errors, metrics)
+    lines = "\n".join(f"  {sid}: {reason}" for sid, reason in errors.items())
+    err = LMCacheBatchedStreamServerError(
+        f"modify stopped, {gone}; {len(errors)} stream(s) not modified:\n{lines}", errors,
+        metrics)
+    err.report = gone.report
+    return err
 
 
 def modify_metrics(out: ModifyOutcome, fmt: str = "terminal", width: int = 80) -> Metrics:

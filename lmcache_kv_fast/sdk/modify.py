@@ -4,12 +4,17 @@ Upstream 0.5.6 runs one thread per stream, each polling with full retrieves unti
 engine's store is visible, each holding its stream's KV (and its edit) until the end, so
 every stream's KV is in memory at once and the first failure hides the others. Here the
 streams are grouped by KV context and salt and each group goes through this project's
-pipelined rewrite engine (``engine_adapter.py``): at most ``max_in_flight`` streams are
-between their read and their store, each on its own thread (a finished stream's slot is
-refilled at once), so one stream's server round trips overlap the others' work; a stream's
-rows are read and stored through reused row buffers (``kvio.py``). The wait for the
-engine's store is lookups with back-off (:mod:`lmcache_kv_fast.sdk.wait`), and every
-stream's outcome is recorded.
+pipelined rewrite engine (``engine_adapter.py``: the engine of ``batch.rewrite``): at
+most ``max_in_flight`` streams are between their read and their store, each waited for,
+read and stored on its own I/O thread, and one edit thread runs ``fn``, so one stream's
+server round trips overlap the others' work; a stream's rows are read and stored
+through reused row buffers (``kvio.py``). The wait for the engine's store is lookups with
+back-off (:mod:`lmcache_kv_fast.sdk.wait`), and every stream's outcome is recorded.
+
+A server that died stops the phase after one failed stream and one unanswered liveness
+ping (``ServerUnavailableError``, not the timeout per stream): the streams in flight are
+recorded as failed, the others as not attempted (stage ``not_attempted``; streams of
+another group on the same server too), and :attr:`ModifyOutcome.server_error` is set.
 """
 
 from __future__ import annotations
@@ -22,6 +27,7 @@ from typing import Any
 
 import torch
 
+from lmcache_kv_fast.errors import ServerUnavailableError
 from lmcache_kv_fast.sdk.cache_kind import LMCacheSDKCacheKind
 from lmcache_kv_fast.sdk.context import ModifyFnType
 from lmcache_kv_fast.sdk.engine_adapter import run_rewrite_items
@@ -54,7 +60,8 @@ class StreamModify:
         nbytes: Bytes read (all kinds).
         kv_nbytes: Bytes of KV read.
         error: Why it failed (None when it was stored).
-        stage: Where it failed (``wait``, ``retrieve``, ``fn``, ``store``).
+        stage: Where it failed (``retrieve`` (includes the wait), ``fn``, ``store``, or
+            ``not_attempted``: the server was found gone before this stream started).
     """
 
     stream: LMCacheRequestStream
@@ -80,6 +87,8 @@ class ModifyOutcome:
         peak_in_flight: Most streams between read and store at once.
         max_in_flight: The bound.
         bytes_stored: Bytes of edited KV stored.
+        server_error: Why the phase stopped early: the server was found gone (None: every
+            stream ran).
     """
 
     items: list[StreamModify]
@@ -88,6 +97,7 @@ class ModifyOutcome:
     peak_in_flight: int = 0
     max_in_flight: int = 0
     bytes_stored: int = 0
+    server_error: ServerUnavailableError | None = None
 
     @property
     def failed(self) -> list[StreamModify]:
@@ -108,6 +118,7 @@ def modify_streams(streams: Sequence[LMCacheRequestStream], fn: ModifyFnType, *,
     items = [StreamModify(s) for s in streams]
     out = ModifyOutcome(items, max_in_flight=max_in_flight)
     groups: dict[tuple[int, str], list[StreamModify]] = {}
+    gone: dict[str, ServerUnavailableError] = {}  # server url -> why it was found gone
     for m in items:
         try:
             ctx = m.stream.context(KV)
@@ -116,7 +127,15 @@ def modify_streams(streams: Sequence[LMCacheRequestStream], fn: ModifyFnType, *,
             continue
         groups.setdefault((id(ctx), m.stream.cache_salt), []).append(m)
     for group in groups.values():
-        _run_group(group, fn, timeout, poll_interval, max_in_flight, progress, out, on_done)
+        url = group[0].stream.context(KV).kv_context.url
+        if url in gone:  # the same server, found gone by an earlier group: not sent
+            _not_attempted(group, on_done)
+            continue
+        try:
+            _run_group(group, fn, timeout, poll_interval, max_in_flight, progress, out,
+                       on_done)
+        except ServerUnavailableError as err:
+            gone[url] = out.server_error = err
     out.seconds = time.perf_counter() - t0
     return out
 
@@ -138,6 +157,16 @@ def _read(m: StreamModify, kind: LMCacheSDKCacheKind, timeout: float,
     return t
 
 
+def _not_attempted(group: Sequence[StreamModify],
+                   on_done: Callable[[StreamModify], None] | None) -> None:
+    for m in group:
+        m.error = "not attempted: the server is unavailable (ModifyOutcome.server_error)"
+        m.stage = "not_attempted"
+        m.extra = {}
+        if on_done is not None:
+            on_done(m)
+
+
 def _nbytes(t: torch.Tensor) -> int:
     return t.numel() * t.element_size()
 
@@ -149,6 +178,7 @@ def _run_group(group: list[StreamModify], fn: ModifyFnType, timeout: float,
     sdk_ctx = first.context(KV)
     salt = first.cache_salt
     by_kv: dict[int, StreamModify] = {}
+    reported: set[int] = set()
     io = StreamKV(sdk_ctx)
 
     def fetch(_ctx: Any, m: StreamModify) -> tuple[torch.Tensor | None, Sequence[int]]:
@@ -173,6 +203,7 @@ def _run_group(group: list[StreamModify], fn: ModifyFnType, timeout: float,
     def on_result(index: int, status: str, stage: str, reason: str,
                   stages: dict[str, float]) -> None:
         m = group[index]
+        reported.add(index)
         for k, v in stages.items():
             out.stage_seconds[k] = out.stage_seconds.get(k, 0.0) + v
         if status == "ok":
@@ -188,7 +219,14 @@ def _run_group(group: list[StreamModify], fn: ModifyFnType, timeout: float,
         if on_done is not None:
             on_done(m)
 
-    peak = run_rewrite_items(sdk_ctx.kv_context, group, edit, salt, fetch=fetch,
-                             store=io.store, on_result=on_result,
-                             max_in_flight=max_in_flight, progress=progress)
+    try:
+        peak = run_rewrite_items(sdk_ctx.kv_context, group, edit, salt, fetch=fetch,
+                                 store=io.store, on_result=on_result,
+                                 max_in_flight=max_in_flight, progress=progress)
+    except ServerUnavailableError as err:
+        # the engine stopped: the streams it never reported were not attempted
+        rep = getattr(err, "report", None)
+        out.peak_in_flight = max(out.peak_in_flight, int(getattr(rep, "peak_in_flight", 0)))
+        _not_attempted([m for i, m in enumerate(group) if i not in reported], on_done)
+        raise
     out.peak_in_flight = max(out.peak_in_flight, peak)
