@@ -9,6 +9,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from lmcache_kv_fast import edit_policy as ep
 from lmcache_kv_fast.copy.select import backend
 from lmcache_kv_fast.edit_policy import (
     ENV_EDIT_THREADS,
@@ -22,6 +23,38 @@ from lmcache_kv_fast.edit_policy import (
 from lmcache_kv_fast.errors import InvalidArgumentError
 
 native = pytest.mark.skipif(backend().NAME != "native", reason="pooled outputs need the native core")
+
+
+@pytest.fixture(autouse=True)
+def _meta_warm() -> None:
+    """Every test here sees meta kernels warmed up (once per process, as a batch does)."""
+    ep.warm_meta_kernels()
+    if ep._meta_thread is not None and ep._meta_thread is not threading.current_thread():
+        ep._meta_thread.join(60)
+    assert ep.meta_ready()
+
+
+def test_outputs_stay_plain_while_meta_kernels_warm_up() -> None:
+    """Until the first meta call's imports are done, the mode runs operators unchanged
+    (torch's allocator) instead of making the edit wait ~1 s for them."""
+    kv, taken = _kv(), []
+
+    def alloc(shape, dtype):
+        taken.append(shape)
+        return torch.empty(shape, dtype=dtype)
+
+    mode, idx = PooledOutputs(alloc), torch.arange(0, 1024, 2)
+    ep._META_READY.clear()
+    try:
+        with mode:
+            got = kv.index_select(2, idx)
+    finally:
+        ep._META_READY.set()
+    assert torch.equal(got, kv.index_select(2, idx))
+    assert mode.warming == 1 and mode.pooled == 0 and not taken
+    with mode:
+        kv.index_select(2, idx)
+    assert mode.pooled == 1 and len(taken) == 1
 
 
 def _kv(seed: int = 0, shape=(2, 4, 1024, 512)) -> torch.Tensor:
