@@ -154,25 +154,35 @@ def _warm_meta() -> None:
     _META_READY.set()
 
 
-def warm_meta_kernels() -> None:
+def warm_meta_kernels(wait_s: float = 0.0) -> bool:
     """Pay the first meta-kernel call's imports on a background thread, once per process.
 
     Until that is done :class:`PooledOutputs` runs every operator unchanged (torch's
-    allocator, as a plain loop would), so no edit waits for the imports.
+    allocator, as a plain loop would), so no edit waits for the imports. The thread is not
+    a daemon: a process that ends meanwhile waits for it (at most the import's ~1 s)
+    rather than tearing torch down under a running import (which aborts the process).
+
+    Args:
+        wait_s: How long to wait for the warm-up to finish (0: do not wait).
+
+    Returns:
+        Whether the meta kernels are warm.
     """
     global _meta_thread
     if _META_READY.is_set():
-        return
+        return True
     with _META_LOCK:
-        if _meta_thread is not None:
-            return
-        if "torch._dynamo" in sys.modules:
-            _warm_meta()  # already imported: the first call is cheap
-            _meta_thread = threading.current_thread()
-            return
-        _meta_thread = threading.Thread(target=_warm_meta, name="lmcache-kv-meta-warmup",
-                                        daemon=True)
-        _meta_thread.start()
+        if _meta_thread is None:
+            if "torch._dynamo" in sys.modules:
+                _meta_thread = threading.current_thread()
+                _warm_meta()  # already imported: the first call is cheap
+                return _META_READY.is_set()
+            _meta_thread = threading.Thread(target=_warm_meta, name="lmcache-kv-meta-warmup")
+            _meta_thread.start()
+        thread = _meta_thread
+    if wait_s > 0 and thread is not threading.current_thread():
+        thread.join(wait_s)
+    return _META_READY.is_set()
 
 
 def meta_ready() -> bool:

@@ -28,10 +28,7 @@ native = pytest.mark.skipif(backend().NAME != "native", reason="pooled outputs n
 @pytest.fixture(autouse=True)
 def _meta_warm() -> None:
     """Every test here sees meta kernels warmed up (once per process, as a batch does)."""
-    ep.warm_meta_kernels()
-    if ep._meta_thread is not None and ep._meta_thread is not threading.current_thread():
-        ep._meta_thread.join(60)
-    assert ep.meta_ready()
+    assert ep.warm_meta_kernels(wait_s=60)
 
 
 def test_outputs_stay_plain_while_meta_kernels_warm_up() -> None:
@@ -269,3 +266,18 @@ def test_policy_resolution(monkeypatch):
             EditPolicy.resolve(None, bad, cores=2, caller_threads=2, native=True)
     with pytest.raises(InvalidArgumentError, match="pool_outputs"):
         EditPolicy.resolve("yes", None, cores=2, caller_threads=2, native=True)
+
+
+def test_process_exiting_during_meta_warm_up_exits_cleanly() -> None:
+    """A process that ends while the warm-up imports run waits for them: tearing torch
+    down under a daemon thread's import aborted the process ("terminate called without
+    an active exception", exit -6)."""
+    import subprocess
+    import sys
+
+    code = ("from lmcache_kv_fast import edit_policy as ep\n"
+            "ep.warm_meta_kernels()\n")
+    for _ in range(3):
+        proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                              timeout=120)
+        assert proc.returncode == 0, proc.stderr[-2000:]
