@@ -66,9 +66,8 @@ def child(variant: str, where: str, threads: int, busy: int, calls: int, layers:
     mode = None
     if variant == "pooled":
         from lmcache_kv_fast.copy.select import backend
-        from lmcache_kv_fast.edit_policy import PooledOutputs, warm_meta_kernels
+        from lmcache_kv_fast.edit_policy import PooledOutputs
 
-        warm_meta_kernels(wait_s=60)  # as a batch's first edits would, before timing
         mode = PooledOutputs(backend().alloc_result)
 
     def edit(kv: Any, tokens: list[int]) -> Any:

@@ -36,7 +36,6 @@ import ctypes
 import functools
 import logging
 import os
-import sys
 import threading
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
@@ -136,60 +135,6 @@ def out_plan(func: Any) -> OutPlan | None:
     return None
 
 
-#: Set once this process has paid for its first meta-kernel call: many meta kernels are
-#: Python decompositions whose first call imports ``torch._dynamo`` (~800 modules, 1.2 s
-#: on the 2-core box), which the first pooled edit output would otherwise wait for.
-_META_READY = threading.Event()
-_META_LOCK = threading.Lock()
-_meta_thread: threading.Thread | None = None
-
-
-def _warm_meta() -> None:
-    try:
-        torch.empty((2, 2), device="meta") * 2  # the decomposition path; imports its deps
-    except Exception:  # pragma: no cover - a torch without meta tensors: stay plain
-        logger.debug("meta-kernel warm-up failed; edit outputs stay with torch's allocator",
-                     exc_info=True)
-        return
-    _META_READY.set()
-
-
-def warm_meta_kernels(wait_s: float = 0.0) -> bool:
-    """Pay the first meta-kernel call's imports on a background thread, once per process.
-
-    Until that is done :class:`PooledOutputs` runs every operator unchanged (torch's
-    allocator, as a plain loop would), so no edit waits for the imports. The thread is not
-    a daemon: a process that ends meanwhile waits for it (at most the import's ~1 s)
-    rather than tearing torch down under a running import (which aborts the process).
-
-    Args:
-        wait_s: How long to wait for the warm-up to finish (0: do not wait).
-
-    Returns:
-        Whether the meta kernels are warm.
-    """
-    global _meta_thread
-    if _META_READY.is_set():
-        return True
-    with _META_LOCK:
-        if _meta_thread is None:
-            if "torch._dynamo" in sys.modules:
-                _meta_thread = threading.current_thread()
-                _warm_meta()  # already imported: the first call is cheap
-                return _META_READY.is_set()
-            _meta_thread = threading.Thread(target=_warm_meta, name="lmcache-kv-meta-warmup")
-            _meta_thread.start()
-        thread = _meta_thread
-    if wait_s > 0 and thread is not threading.current_thread():
-        thread.join(wait_s)
-    return _META_READY.is_set()
-
-
-def meta_ready() -> bool:
-    """Whether meta kernels can be called without paying their first-call imports."""
-    return _META_READY.is_set()
-
-
 def _flat(x: Any) -> Iterator[Any]:
     if isinstance(x, (list, tuple)):
         for y in x:
@@ -226,8 +171,6 @@ if _Mode is not None:
             pooled: Outputs served from ``alloc``.
             pooled_bytes: Their bytes.
             fallbacks: Calls that ran unchanged after the pooled form could not be used.
-            warming: Calls that ran unchanged while :func:`warm_meta_kernels` was still
-                importing (the first edits of the first batch in a process).
         """
 
         @classmethod
@@ -243,7 +186,6 @@ if _Mode is not None:
             self.pooled = 0
             self.pooled_bytes = 0
             self.fallbacks = 0
-            self.warming = 0
 
         def _worth_it(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> bool:
             """Dense CPU tensors only, and a large one among them (or none: a factory)."""
@@ -263,9 +205,6 @@ if _Mode is not None:
         def __torch_dispatch__(self, func: Any, types: Any, args: tuple[Any, ...] = (),
                                kwargs: dict[str, Any] | None = None) -> Any:
             kwargs = kwargs or {}
-            if not _META_READY.is_set():  # the warm-up imports are still running
-                self.warming += 1
-                return func(*args, **kwargs)
             plan = out_plan(func)
             if plan is None or plan.out_name in kwargs or not plan.accepts(kwargs) or \
                     not self._worth_it(args, kwargs):
@@ -428,7 +367,6 @@ class EditRunner:
         if self.policy.threads is not None:
             self.threads_set = set_thread_intraop_threads(self.policy.threads)
         if self.policy.pool_outputs and self._alloc is not None and PooledOutputs is not None:
-            warm_meta_kernels()
             self.mode = PooledOutputs(self._alloc)
 
     def call(self, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:

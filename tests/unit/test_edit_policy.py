@@ -9,7 +9,6 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from lmcache_kv_fast import edit_policy as ep
 from lmcache_kv_fast.copy.select import backend
 from lmcache_kv_fast.edit_policy import (
     ENV_EDIT_THREADS,
@@ -23,35 +22,6 @@ from lmcache_kv_fast.edit_policy import (
 from lmcache_kv_fast.errors import InvalidArgumentError
 
 native = pytest.mark.skipif(backend().NAME != "native", reason="pooled outputs need the native core")
-
-
-@pytest.fixture(autouse=True)
-def _meta_warm() -> None:
-    """Every test here sees meta kernels warmed up (once per process, as a batch does)."""
-    assert ep.warm_meta_kernels(wait_s=60)
-
-
-def test_outputs_stay_plain_while_meta_kernels_warm_up() -> None:
-    """Until the first meta call's imports are done, the mode runs operators unchanged
-    (torch's allocator) instead of making the edit wait ~1 s for them."""
-    kv, taken = _kv(), []
-
-    def alloc(shape, dtype):
-        taken.append(shape)
-        return torch.empty(shape, dtype=dtype)
-
-    mode, idx = PooledOutputs(alloc), torch.arange(0, 1024, 2)
-    ep._META_READY.clear()
-    try:
-        with mode:
-            got = kv.index_select(2, idx)
-    finally:
-        ep._META_READY.set()
-    assert torch.equal(got, kv.index_select(2, idx))
-    assert mode.warming == 1 and mode.pooled == 0 and not taken
-    with mode:
-        kv.index_select(2, idx)
-    assert mode.pooled == 1 and len(taken) == 1
 
 
 def _kv(seed: int = 0, shape=(2, 4, 1024, 512)) -> torch.Tensor:
@@ -266,18 +236,3 @@ def test_policy_resolution(monkeypatch):
             EditPolicy.resolve(None, bad, cores=2, caller_threads=2, native=True)
     with pytest.raises(InvalidArgumentError, match="pool_outputs"):
         EditPolicy.resolve("yes", None, cores=2, caller_threads=2, native=True)
-
-
-def test_process_exiting_during_meta_warm_up_exits_cleanly() -> None:
-    """A process that ends while the warm-up imports run waits for them: tearing torch
-    down under a daemon thread's import aborted the process ("terminate called without
-    an active exception", exit -6)."""
-    import subprocess
-    import sys
-
-    code = ("from lmcache_kv_fast import edit_policy as ep\n"
-            "ep.warm_meta_kernels()\n")
-    for _ in range(3):
-        proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
-                              timeout=120)
-        assert proc.returncode == 0, proc.stderr[-2000:]
