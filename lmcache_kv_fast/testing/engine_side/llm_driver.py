@@ -22,11 +22,14 @@ request finished, so ``read_blocks`` can copy them out of ``kv_caches`` afterwar
 from __future__ import annotations
 
 import json
+import logging
 import os
 import sys
 from typing import Any
 
 import rpc_child
+
+logger = logging.getLogger("lmcache_kv_fast.engine_side")
 
 _RECORD = "_lmckvf_block_record"
 
@@ -206,7 +209,7 @@ class Driver:
             try:
                 llm.llm_engine.engine_core.shutdown()
             except Exception as err:  # best effort; the process group is killed next
-                print(f"engine shutdown: {err!r}", file=sys.stderr)
+                logger.warning("engine shutdown: %r", err)
 
 
 def main() -> None:

@@ -22,11 +22,14 @@ per layer, one group, ``vllm_layout_hints()``) for ``model##query``, over POSIX 
 from __future__ import annotations
 
 import json
+import logging
 import secrets
 import sys
 from typing import Any
 
 import rpc_child
+
+logger = logging.getLogger("lmcache_kv_fast.engine_side")
 
 QUERY_SUFFIX = "##query"
 
@@ -148,7 +151,7 @@ class Exporter:
             if fut is not None:
                 fut.result(timeout=self.timeout)
         except Exception as err:
-            print(f"unregister: {err!r}", file=sys.stderr)
+            logger.warning("unregister: %r", err)
 
 
 def _ok(result: Any) -> bool:
