@@ -39,7 +39,7 @@ from lmcache_kv_fast.errors import (
 )
 from lmcache_kv_fast.sdk.context import ModifyFnType
 from lmcache_kv_fast.sdk.metrics import Metrics, StreamHandler, get_formatter
-from lmcache_kv_fast.sdk.modify import DEFAULT_MAX_IN_FLIGHT, ModifyOutcome, modify_streams
+from lmcache_kv_fast.sdk.modify import ModifyOutcome, default_max_in_flight, modify_streams
 from lmcache_kv_fast.sdk.progress import Progress, want_progress
 from lmcache_kv_fast.sdk.request import LMCacheRequestStream, StreamPerfMetrics
 
@@ -112,7 +112,8 @@ class LMCacheBatchedStream:
     Args:
         max_concurrency: Engine passes at once (default ``min(streams, 64)``).
         max_in_flight: Streams whose tensors are between read and store at once during a
-            modify (memory bound).
+            modify (memory bound; default: the cores this process may run on, 2 to 4,
+            ``sdk.modify.default_max_in_flight``).
         progress: Progress bar on long phases (None: on a terminal, from 8 streams).
 
     Attributes:
@@ -122,7 +123,7 @@ class LMCacheBatchedStream:
     """
 
     def __init__(self, *, max_concurrency: int | None = None,
-                 max_in_flight: int = DEFAULT_MAX_IN_FLIGHT, progress: bool | None = None
+                 max_in_flight: int | None = None, progress: bool | None = None
                  ) -> None:
         for name, v in (("max_concurrency", max_concurrency), ("max_in_flight", max_in_flight)):
             if v is not None and (type(v) is not int or v < 1):
@@ -131,7 +132,7 @@ class LMCacheBatchedStream:
         self.perf_metrics: dict[str, StreamPerfMetrics] = {}
         self.last_modify: ModifyOutcome | None = None
         self.max_concurrency = max_concurrency
-        self.max_in_flight = max_in_flight
+        self.max_in_flight = default_max_in_flight() if max_in_flight is None else max_in_flight
         self.progress = progress
         self._skipped: list[str] = []
 

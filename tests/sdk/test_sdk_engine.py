@@ -219,7 +219,9 @@ def test_openai_hook_errors_are_clear(openai_engine, model_name):
 
 
 def test_bench_w6_quick(openai_engine, engine_server, model_name):
-    """``bench --w6 --quick`` on the shared engine: both sides run, the report is complete."""
+    """``bench --w6 --quick`` on the shared engine: both sides and the landing probe run, the
+    report is complete (no floor: the engine and server were given by URL, their CPU is not
+    known to the bench)."""
     from lmcache_kv_fast.testing.bench.cli import build_parser
     from lmcache_kv_fast.testing.bench.w6 import run_w6
 
@@ -227,7 +229,11 @@ def test_bench_w6_quick(openai_engine, engine_server, model_name):
         "--w6", "--quick", "--url", engine_server.url, "--http-url", engine_server.http_url,
         "--w6-vllm-url", openai_engine.url, "--w6-model", model_name, "--w6-streams", "3"])
     doc = run_w6(args)
-    assert {r["side"] for r in doc["runs"]} == {"ours", "upstream"}
+    assert {r["side"] for r in doc["runs"]} == {"ours", "upstream", "land"}
+    land = doc["land"]
+    assert 0 <= land["land_first_s"] <= land["land_last_s"] < 60  # every stream's store seen
+    assert land["edit_cpu_s"] > 0
+    assert "floor" not in doc
     for side in ("ours", "upstream"):
         v = doc["sides"][side]
         assert v["prefill_s"] > 0 and v["modify_s"] > 0 and v["decode_s"] > 0

@@ -9,6 +9,12 @@ LMCache server, once with ``lmcache_kv_fast.sdk`` and once with upstream 0.5.6's
 (``w6_worker.py``), sides alternating over the reps. Both sides use the same engine
 hook and edit; prefill and decode are the engine's time, reported for context.
 
+A third worker per rep (``land``, ``--w6-no-land`` skips it) runs the same prefill, then
+looks every stream up until the engine's store of all of them is visible, and times the
+edit alone; with the modify's CPU per process (this worker, the server's and the
+engine's process groups) that gives the *floor* of any client's modify on this machine
+(:func:`modify_floor`), printed with the largest speed-up any client could show.
+
 Targets: modify ≥ 5× faster than upstream's, and its peak RSS growth ≤ 0.3× upstream's.
 ``--quick``: 4 streams × 512 tokens, one rep (a smoke run; its verdicts are indicative).
 """
@@ -72,6 +78,14 @@ def add_w6_args(ap: argparse.ArgumentParser) -> None:
     g.add_argument("--w6-kernel", help="the engine's CPU attention kernel (default: this "
                    "machine's choice for the model)")
     g.add_argument("--w6-no-upstream", action="store_true", help="skip the upstream side")
+    g.add_argument("--w6-settle", type=float, default=0.0,
+                   help="seconds between the prefill and the modify, untimed, both sides "
+                        "(vLLM's CPU worker busy-polls a core for 1 s after its last step: "
+                        "1.5 measures the modify on an idle engine)")
+    g.add_argument("--w6-no-land", action="store_true",
+                   help="skip the landing probe (a third worker per rep: prefill, then "
+                        "lookups until the engine's store of every stream is visible; the "
+                        "lower bound of any client's modify)")
     g.add_argument("--w6-max-in-flight", type=int, help="this SDK's modify bound (default: the "
                    "batched stream's)")
     g.add_argument("--w6-torch-threads", type=int, default=1,
@@ -101,9 +115,10 @@ def _engine(args: argparse.Namespace, s: W6Sizes) -> Iterator[dict[str, Any]]:
             if not (args.url and args.http_url and args.w6_model):
                 raise SystemExit("--w6-vllm-url needs --url, --http-url and --w6-model")
             yield {"url": args.url, "http_url": args.http_url, "vllm_url": args.w6_vllm_url,
-                   "model": args.w6_model, "engine": None}
+                   "model": args.w6_model, "engine": None, "pgids": {}}
             return
         model = args.w6_model or str(ensure_tiny_model())
+        pgids: dict[str, int] = {}
         if args.url and args.http_url:
             url, http_url = args.url, args.http_url
             port = int(url.rsplit(":", 1)[1])
@@ -111,10 +126,14 @@ def _engine(args: argparse.Namespace, s: W6Sizes) -> Iterator[dict[str, Any]]:
             l1 = max(1.0, 4 * s.reps * s.streams * s.prompt_tokens * 1024 / 2**30)
             srv = stack.enter_context(LMCacheServer(shm=True, chunk_size=CHUNK, l1_size_gb=l1))
             url, http_url, port = srv.url, srv.http_url, srv.port
+            if srv.proc is not None:
+                pgids["server"] = os.getpgid(srv.proc.pid)
         max_len = max(2048, -(-(s.prompt_tokens + s.decode_tokens + 16) // 1024) * 1024)
         eng = stack.enter_context(OpenAIEngine(model, port, max_model_len=max_len))
+        with contextlib.suppress(AttributeError, OSError, TypeError):
+            pgids["engine"] = os.getpgid(eng.proc.pid)  # type: ignore[union-attr]
         yield {"url": url, "http_url": http_url, "vllm_url": eng.url, "model": model,
-               "engine": eng}
+               "engine": eng, "pgids": pgids}
 
 
 def _external_hits(vllm_url: str) -> float:
@@ -157,6 +176,8 @@ def run_w6(args: argparse.Namespace) -> dict[str, Any]:
 
     s = sizes_from(args)
     sides = ["ours"] if args.w6_no_upstream else ["ours", "upstream"]
+    if not getattr(args, "w6_no_land", False):
+        sides.append("land")
     nonce = secrets.token_hex(3)
     runs: list[dict[str, Any]] = []
     t_start = time.time()
@@ -165,21 +186,27 @@ def run_w6(args: argparse.Namespace) -> dict[str, Any]:
         for rep in range(s.reps):
             order = sides if rep % 2 == 0 else sides[::-1]
             for side in order:
-                seed = 1000 * rep + (1 if side == "ours" else 2)
+                seed = 1000 * rep + {"ours": 1, "upstream": 2}.get(side, 3)
                 cfg = {"side": side, "url": env["url"], "http_url": env["http_url"],
                        "vllm_url": env["vllm_url"], "model": env["model"],
                        "prompts": _prompts(s, seed), "salt": f"w6-{nonce}-{side}-{rep}",
                        "max_tokens": s.decode_tokens, "drop_every": s.drop_every,
                        "kernel": kernel, "torch_threads": args.w6_torch_threads,
-                       "max_in_flight": args.w6_max_in_flight}
+                       "max_in_flight": args.w6_max_in_flight, "pgids": env["pgids"],
+                       "settle_s": args.w6_settle}
                 before = _external_hits(env["vllm_url"])
                 res = _worker(cfg)
                 res["external_hits"] = _external_hits(env["vllm_url"]) - before
                 res["rep"] = rep
                 res.pop("tokens", None)
                 runs.append(res)
-                logger.info("W6 rep %d %s: modify %.3fs, +%.1f MiB", rep, side, res["modify_s"],
-                            res["modify_rss_growth"] / 2**20)
+                if side == "land":
+                    logger.info("W6 rep %d land: engine's store visible %.3fs (first) .. "
+                                "%.3fs (last) after the prefill", rep, res["land_first_s"],
+                                res["land_last_s"])
+                else:
+                    logger.info("W6 rep %d %s: modify %.3fs, +%.1f MiB", rep, side,
+                                res["modify_s"], res["modify_rss_growth"] / 2**20)
     doc = summarize(s, runs)
     doc["seconds"] = time.time() - t_start
     print_w6(doc)
@@ -189,12 +216,25 @@ def run_w6(args: argparse.Namespace) -> dict[str, Any]:
 def summarize(s: W6Sizes, runs: list[dict[str, Any]]) -> dict[str, Any]:
     """Medians per side, ratios and verdicts."""
     per: dict[str, dict[str, float]] = {}
+    land: dict[str, float] = {}
     for side in sorted({r["side"] for r in runs}):
         mine = [r for r in runs if r["side"] == side]
+        if side == "land":
+            land = {k: statistics.median(r[k] for r in mine)
+                    for k in ("prefill_s", "land_first_s", "land_last_s", "edit_cpu_s")}
+            continue
         per[side] = {k: statistics.median(r[k] for r in mine)
                      for k in ("prefill_s", "modify_s", "decode_s", "modify_rss_growth",
                                "modify_private_growth", "external_hits", "import_connect_s")}
+        cpu = [r.get("modify_cpu_s") or {} for r in mine]
+        for k in sorted({k for c in cpu for k in c}):
+            per[side][f"modify_cpu_{k}_s"] = statistics.median(c.get(k, 0.0) for c in cpu)
     doc: dict[str, Any] = {"workload": "W6", "sizes": asdict(s), "runs": runs, "sides": per}
+    if land:
+        doc["land"] = land
+        floor = modify_floor(per, land)
+        if floor:
+            doc["floor"] = floor
     if "ours" in per and "upstream" in per:
         o, u = per["ours"], per["upstream"]
         speed = u["modify_s"] / o["modify_s"] if o["modify_s"] > 0 else float("inf")
@@ -214,6 +254,42 @@ def summarize(s: W6Sizes, runs: list[dict[str, Any]]) -> dict[str, Any]:
     return doc
 
 
+def modify_floor(per: dict[str, dict[str, float]], land: dict[str, float],
+                 cores: int | None = None) -> dict[str, float]:
+    """The shortest modify any client could have on this machine and engine, and its ratio.
+
+    Whatever the client, a modify must (1) wait until the engine's store of the last
+    stream is visible (``land_last_s``), (2) have the server handle the requests that read
+    and write every stream (at least the CPU the cheaper of the two SDKs' request sets
+    cost the server, measured) and (3) run the user's edit on every stream (its CPU,
+    measured alone). (2) and (3) share the machine's cores with what the engine keeps
+    busy during the phase (vLLM's CPU worker busy-polls a core for 1 s after each step:
+    the smaller of the two sides' engine CPU per second of modify). A client with no cost
+    of its own would take ``max((1), ((2) + (3)) / free cores)``; upstream's modify over
+    that is the largest speed-up any client could show here.
+
+    Returns:
+        ``{}`` without both SDKs' CPU figures; else the parts, ``floor_s`` and
+        ``max_possible_speedup``.
+    """
+    o, u = per.get("ours"), per.get("upstream")
+    keys = ("modify_cpu_server_s", "modify_cpu_engine_s")
+    if not o or not u or any(k not in o or k not in u for k in keys) or o["modify_s"] <= 0 \
+            or u["modify_s"] <= 0:
+        return {}
+    n = cores or len(os.sched_getaffinity(0))
+    server = min(o["modify_cpu_server_s"], u["modify_cpu_server_s"])
+    engine_cores = min(o["modify_cpu_engine_s"] / o["modify_s"],
+                       u["modify_cpu_engine_s"] / u["modify_s"])
+    free = max(0.25, n - engine_cores)
+    edit = land.get("edit_cpu_s", 0.0)
+    edit = 0.0 if edit != edit else edit  # NaN: no edit measured
+    floor = max(land["land_last_s"], (server + edit) / free)
+    return {"cores": float(n), "engine_busy_cores": engine_cores, "server_cpu_s": server,
+            "edit_cpu_s": edit, "land_last_s": land["land_last_s"], "floor_s": floor,
+            "max_possible_speedup": u["modify_s"] / floor if floor > 0 else float("inf")}
+
+
 def print_w6(doc: dict[str, Any]) -> None:
     """The W6 table."""
     s = doc["sizes"]
@@ -226,6 +302,26 @@ def print_w6(doc: dict[str, Any]) -> None:
         print(f"{side:<10}{v['prefill_s']:>11.3f}{v['modify_s']:>11.3f}"
               f"{v['modify_rss_growth'] / 2**20:>10.1f}{v['modify_private_growth'] / 2**20:>14.1f}"
               f"{v['decode_s']:>11.3f}{v['external_hits']:>11.0f}")
+    for side, v in doc["sides"].items():
+        cpu = {k[len("modify_cpu_"):-2]: x for k, x in v.items() if k.startswith("modify_cpu_")}
+        if cpu:
+            faults = cpu.pop("self_minflt", None)
+            print(f"  {side} modify CPU s (medians): "
+                  + ", ".join(f"{k} {x:.3f}" for k, x in cpu.items())
+                  + ("" if faults is None else f"; its page faults {faults:.0f}"))
+    land = doc.get("land")
+    if land:
+        print(f"land      {land['prefill_s']:>11.3f}   the engine's store visible "
+              f"{land['land_first_s']:.3f} s (first stream) .. {land['land_last_s']:.3f} s "
+              "(last) after the prefill returned")
+    f = doc.get("floor")
+    if f:
+        print(f"  floor of any client's modify here: {f['floor_s']:.3f} s = max(last store "
+              f"visible {f['land_last_s']:.3f} s, (server CPU {f['server_cpu_s']:.3f} s + edit "
+              f"CPU {f['edit_cpu_s']:.3f} s) / {f['cores'] - f['engine_busy_cores']:.2f} free "
+              f"cores of {f['cores']:.0f}; the engine kept {f['engine_busy_cores']:.2f} busy)")
+        print(f"  => at most {f['max_possible_speedup']:.2f}x upstream's modify for a client "
+              f"that costs nothing itself")
     for name, t in (doc.get("targets") or {}).items():
         op = ">=" if name == "modify_speedup" else "<="
         print(f"  {name}: {t['value']:.2f} (target {op} {t['target']}) "

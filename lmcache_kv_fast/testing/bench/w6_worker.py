@@ -18,6 +18,9 @@ from __future__ import annotations
 import contextlib
 import gc
 import json
+import os
+import resource
+import statistics
 import sys
 import threading
 import time
@@ -85,6 +88,45 @@ class PeakRss:
         self.private = max(0, self._peak_anon - self.base_anon) * 1024
 
 
+def _group_cpu_s(pgid: int) -> float:
+    """CPU seconds (user + system) of the live processes of process group ``pgid``."""
+    tick = os.sysconf("SC_CLK_TCK")
+    total = 0
+    for d in os.listdir("/proc"):
+        if not d.isdigit():
+            continue
+        try:
+            with open(f"/proc/{d}/stat") as f:
+                fields = f.read().rpartition(")")[2].split()
+        except OSError:
+            continue
+        if int(fields[2]) == pgid:  # fields after the name: state ppid pgrp ...
+            total += int(fields[11]) + int(fields[12])  # utime, stime
+    return total / tick
+
+
+class CpuUse:
+    """CPU seconds a block cost this process and the process groups ``pgids`` (by name)."""
+
+    def __init__(self, pgids: dict[str, int]) -> None:
+        self.pgids = pgids
+        self.seconds: dict[str, float] = {}
+
+    def _now(self) -> dict[str, float]:
+        ru = resource.getrusage(resource.RUSAGE_SELF)
+        return {"self": ru.ru_utime + ru.ru_stime, "self_sys": ru.ru_stime,
+                "self_minflt": float(ru.ru_minflt),
+                **{name: _group_cpu_s(g) for name, g in self.pgids.items()}}
+
+    def __enter__(self) -> CpuUse:
+        self._t0 = self._now()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        t1 = self._now()
+        self.seconds = {k: t1[k] - self._t0[k] for k in t1}
+
+
 def drop_every(n: int, kv_kind: Any) -> Callable[..., Any]:
     """The edit: drop every ``n``-th token's K/V and id."""
 
@@ -94,6 +136,55 @@ def drop_every(n: int, kv_kind: Any) -> Callable[..., Any]:
         return kv.index_select(kv.dim() - 2, torch.tensor(keep)), [tokens[i] for i in keep]
 
     return fn
+
+
+def landing(ctx: Any, streams: list[Any], salt: str, timeout: float = 60.0,
+            interval: float = 0.001) -> dict[str, Any]:
+    """When the engine's asynchronous store of every stream became visible after the prefill.
+
+    Looks every stream's expected prefix (its prompt's whole chunks) up, round-robin,
+    ``interval`` apart, from the moment the prefill returned. No SDK's modify can end
+    before the last stream's KV is on the server (it must read it), so ``land_last_s``
+    is a lower bound of any modify phase on this engine, and ``upstream modify /
+    land_last_s`` bounds the speed-up any client could show against upstream's.
+    """
+    t0 = time.perf_counter()
+    chunk = ctx.chunk_size
+    pending = {i: len(s.tokens) // chunk * chunk for i, s in enumerate(streams)}
+    seen: dict[int, float] = {}
+    lookups = 0
+    while pending and time.perf_counter() - t0 < timeout:
+        for i, target in list(pending.items()):
+            lookups += 1
+            if ctx.lookup(streams[i].tokens[:target], salt) >= target:
+                seen[i] = time.perf_counter() - t0
+                del pending[i]
+        if pending:
+            time.sleep(interval)
+    times = sorted(seen.values())
+    return {"land_first_s": times[0] if times else float("nan"),
+            "land_last_s": times[-1] if times and not pending else float("nan"),
+            "land_lookups": lookups, "land_missing": len(pending)}
+
+
+def edit_cpu(ctx: Any, streams: list[Any], salt: str, fn: Callable[..., Any],
+             kind: Any) -> float:
+    """CPU seconds of the edit alone over every stream's cached KV (read first, untimed).
+
+    Every SDK's modify runs the user's edit once per stream, so this is part of any
+    modify's CPU. Each KV is read, edited and dropped in turn; the result is the median
+    stream's CPU times the number of streams (a process's first torch calls are not
+    counted: the floor this feeds should favour the hypothetical client).
+    """
+    times: list[float] = []
+    for s in streams:
+        kv = ctx.retrieve(s.tokens, salt)
+        if kv is None:
+            continue
+        t = time.thread_time()
+        fn({kind: kv}, list(s.tokens[: kv.shape[-2]]))
+        times.append(time.thread_time() - t)
+    return statistics.median(times) * len(streams) if times else float("nan")
 
 
 def run(cfg: dict[str, Any]) -> dict[str, Any]:
@@ -132,7 +223,13 @@ def run(cfg: dict[str, Any]) -> dict[str, Any]:
             batch.prefill(sp)
             prefill_s = time.perf_counter() - t
             fn = drop_every(int(cfg["drop_every"]), kind)
-            with PeakRss() as rss:
+            if cfg["side"] == "land":
+                landed = landing(ctx, streams, cfg["salt"])
+                return {"side": "land", "streams": len(streams),
+                        "import_connect_s": import_connect_s, "prefill_s": prefill_s,
+                        **landed, "edit_cpu_s": edit_cpu(ctx, streams, cfg["salt"], fn, kind)}
+            time.sleep(float(cfg.get("settle_s") or 0.0))
+            with PeakRss() as rss, CpuUse(dict(cfg.get("pgids") or {})) as cpu:
                 t = time.perf_counter()
                 report = batch.modify(fn)
                 modify_s = time.perf_counter() - t
@@ -145,7 +242,7 @@ def run(cfg: dict[str, Any]) -> dict[str, Any]:
                 "import_connect_s": import_connect_s, "prefill_s": prefill_s,
                 "modify_s": modify_s, "decode_s": decode_s,
                 "modify_rss_growth": rss.growth, "modify_private_growth": rss.private,
-                "rss_method": rss.method,
+                "rss_method": rss.method, "modify_cpu_s": cpu.seconds,
                 "tokens": [list(s.tokens) for s in streams],
                 "modify_report": report.to_dict(),
             }

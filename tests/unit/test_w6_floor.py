@@ -1,0 +1,73 @@
+"""Bench W6's summary: the landing probe, the floor of any client's modify, and the
+batched stream's default bound on streams in flight (no server or engine needed)."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+
+from lmcache_kv_fast.sdk import modify as sdk_modify
+from lmcache_kv_fast.sdk.batch import LMCacheBatchedStream
+from lmcache_kv_fast.testing.bench.w6 import W6Sizes, modify_floor, summarize
+
+
+def _side(side: str, rep: int, modify_s: float, server: float, engine: float,
+          priv: int) -> dict:
+    return {"side": side, "rep": rep, "prefill_s": 1.0, "modify_s": modify_s, "decode_s": 0.5,
+            "modify_rss_growth": priv + 60 * 2**20, "modify_private_growth": priv,
+            "external_hits": 28672.0, "import_connect_s": 0.1,
+            "modify_cpu_s": {"self": 0.2, "server": server, "engine": engine}}
+
+
+def _land(rep: int, last: float, edit: float) -> dict:
+    return {"side": "land", "rep": rep, "prefill_s": 1.0, "land_first_s": 0.005,
+            "land_last_s": last, "edit_cpu_s": edit, "external_hits": 0.0}
+
+
+def test_floor_is_the_server_and_edit_cpu_on_the_cores_the_engine_leaves():
+    per = {"ours": {"modify_s": 0.3, "modify_cpu_server_s": 0.13, "modify_cpu_engine_s": 0.3},
+           "upstream": {"modify_s": 0.4, "modify_cpu_server_s": 0.11,
+                        "modify_cpu_engine_s": 0.36}}
+    f = modify_floor(per, {"land_last_s": 0.05, "edit_cpu_s": 0.02}, cores=2)
+    # the cheaper server CPU (upstream's), the smaller engine share (0.9 of a core)
+    assert f["server_cpu_s"] == pytest.approx(0.11)
+    assert f["engine_busy_cores"] == pytest.approx(0.9)
+    assert f["floor_s"] == pytest.approx((0.11 + 0.02) / 1.1)
+    assert f["max_possible_speedup"] == pytest.approx(0.4 / f["floor_s"])
+
+
+def test_floor_is_the_last_store_when_that_is_later():
+    per = {"ours": {"modify_s": 0.3, "modify_cpu_server_s": 0.01, "modify_cpu_engine_s": 0.0},
+           "upstream": {"modify_s": 0.5, "modify_cpu_server_s": 0.01,
+                        "modify_cpu_engine_s": 0.0}}
+    f = modify_floor(per, {"land_last_s": 0.1, "edit_cpu_s": math.nan}, cores=2)
+    assert f["edit_cpu_s"] == 0.0 and f["floor_s"] == pytest.approx(0.1)
+    assert f["max_possible_speedup"] == pytest.approx(5.0)
+
+
+def test_no_floor_without_both_sides_cpu():
+    per = {"ours": {"modify_s": 0.3}, "upstream": {"modify_s": 0.4}}
+    assert modify_floor(per, {"land_last_s": 0.05, "edit_cpu_s": 0.01}, cores=2) == {}
+    assert modify_floor({"ours": per["ours"]}, {"land_last_s": 0.05}, cores=2) == {}
+
+
+def test_summarize_keeps_the_land_side_out_of_the_sides_and_adds_the_floor():
+    runs = [_side("ours", r, 0.3, 0.12, 0.3, 24 << 20) for r in range(3)]
+    runs += [_side("upstream", r, 0.4, 0.10, 0.36, 100 << 20) for r in range(3)]
+    runs += [_land(r, 0.05 + 0.01 * r, 0.017) for r in range(3)]
+    doc = summarize(W6Sizes(), runs)
+    assert set(doc["sides"]) == {"ours", "upstream"}
+    assert doc["land"]["land_last_s"] == pytest.approx(0.06)
+    assert doc["sides"]["ours"]["modify_cpu_server_s"] == pytest.approx(0.12)
+    assert doc["floor"]["floor_s"] > 0
+    assert doc["targets"]["modify_speedup"]["value"] == pytest.approx(0.4 / 0.3)
+    assert doc["targets"]["modify_private_rss_ratio"]["value"] == pytest.approx(0.24)
+
+
+@pytest.mark.parametrize(("cores", "expected"), [(1, 2), (2, 2), (3, 3), (4, 4), (64, 4)])
+def test_default_streams_in_flight_follow_the_cores(monkeypatch, cores, expected):
+    monkeypatch.setattr(sdk_modify.os, "sched_getaffinity", lambda _pid: set(range(cores)))
+    assert sdk_modify.default_max_in_flight() == expected
+    assert LMCacheBatchedStream().max_in_flight == expected
+    assert LMCacheBatchedStream(max_in_flight=7).max_in_flight == 7
