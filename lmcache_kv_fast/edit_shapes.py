@@ -86,11 +86,21 @@ def _norm_dim(dim: Any, ndim: int) -> int | None:
     return dim + ndim if dim < 0 else dim
 
 
-def _cat(args: Sequence[Any], kwargs: dict[str, Any]) -> tuple[tuple[int, ...], torch.dtype] | None:
+def _tensor_list(args: Sequence[Any], kwargs: dict[str, Any]) -> tuple[Sequence[Any], Any]:
+    """``(tensors, dim)`` of a ``cat`` / ``stack`` call.
+
+    ``tensors`` is empty when any of them is not a row-major CPU tensor.
+    """
     tensors = args[0] if args else kwargs.get("tensors")
     dim = args[1] if len(args) > 1 else kwargs.get("dim", 0)
-    if not isinstance(tensors, (list, tuple)) or not tensors or \
-            not all(_row_major_view(t) for t in tensors):
+    if not isinstance(tensors, (list, tuple)) or not all(_row_major_view(t) for t in tensors):
+        return (), dim
+    return tensors, dim
+
+
+def _cat(args: Sequence[Any], kwargs: dict[str, Any]) -> tuple[tuple[int, ...], torch.dtype] | None:
+    tensors, dim = _tensor_list(args, kwargs)
+    if not tensors:
         return None
     first = tensors[0]
     nd, dtype = first.dim(), first.dtype
@@ -107,10 +117,8 @@ def _cat(args: Sequence[Any], kwargs: dict[str, Any]) -> tuple[tuple[int, ...], 
 
 
 def _stack(args: Sequence[Any], kwargs: dict[str, Any]) -> tuple[tuple[int, ...], torch.dtype] | None:
-    tensors = args[0] if args else kwargs.get("tensors")
-    dim = args[1] if len(args) > 1 else kwargs.get("dim", 0)
-    if not isinstance(tensors, (list, tuple)) or not tensors or \
-            not all(_row_major_view(t) for t in tensors):
+    tensors, dim = _tensor_list(args, kwargs)
+    if not tensors:
         return None
     first = tensors[0]
     if any(t.shape != first.shape or t.dtype != first.dtype for t in tensors[1:]):
