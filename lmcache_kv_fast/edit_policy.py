@@ -43,6 +43,7 @@ from typing import Any
 
 import torch
 
+from lmcache_kv_fast.edit_shapes import fast_out_meta
 from lmcache_kv_fast.errors import InvalidArgumentError
 
 logger = logging.getLogger(__name__)
@@ -209,22 +210,32 @@ if _Mode is not None:
             if plan is None or plan.out_name in kwargs or not plan.accepts(kwargs) or \
                     not self._worth_it(args, kwargs):
                 return func(*args, **kwargs)
-            try:
-                meta = func(*_to_meta(args), **_to_meta(kwargs))
-            except Exception:  # no meta kernel, data-dependent, or a genuine error
-                return func(*args, **kwargs)  # the plain call raises genuine errors
-            if not isinstance(meta, torch.Tensor) or meta.device.type != "meta" or \
-                    meta.layout != torch.strided or not meta.is_contiguous() or \
-                    meta.is_quantized or meta.numel() * meta.element_size() < self.min_bytes:
+            known = fast_out_meta(func, args, kwargs)  # no meta kernel: see edit_shapes.py
+            if known is None:
+                try:
+                    meta = func(*_to_meta(args), **_to_meta(kwargs))
+                except Exception:  # no meta kernel, data-dependent, or a genuine error
+                    return func(*args, **kwargs)  # the plain call raises genuine errors
+                if not isinstance(meta, torch.Tensor) or meta.device.type != "meta" or \
+                        meta.layout != torch.strided or not meta.is_contiguous() or \
+                        meta.is_quantized:
+                    return func(*args, **kwargs)
+                known = (tuple(meta.shape), meta.dtype)
+            shape, dtype = known
+            numel = 1
+            for n in shape:
+                numel *= n
+            if numel * dtype.itemsize < self.min_bytes:
                 return func(*args, **kwargs)
-            out = self._alloc(tuple(meta.shape), meta.dtype)
+            out = self._alloc(shape, dtype)
             try:
                 res = plan.call(args, kwargs, out)
             except Exception:
                 self.fallbacks += 1
                 return func(*args, **kwargs)
-            if res is not out and (not isinstance(res, torch.Tensor)
-                                   or res.data_ptr() != out.data_ptr()):
+            if (res is not out and (not isinstance(res, torch.Tensor)
+                                    or res.data_ptr() != out.data_ptr())) or \
+                    tuple(res.shape) != shape or res.dtype != dtype:
                 self.fallbacks += 1  # an out= form that did not write into out: be plain
                 return func(*args, **kwargs)
             self.pooled += 1

@@ -71,6 +71,12 @@ EDITS = {
     "inplace_on_clone": lambda kv: kv.clone().mul_(3),
     "view_only": lambda kv: kv[:, :, 10:20],
     "repeat_interleave": lambda kv: kv[:, :, :256].repeat_interleave(2, dim=2),
+    "sub_same_shape": lambda kv: kv - kv.flip(2),
+    "maximum": lambda kv: torch.maximum(kv, kv.flip(2)),
+    "where_two_tensors": lambda kv: torch.where(kv > 1, kv, kv.flip(2)),
+    "cat_mixed_dtypes": lambda kv: torch.cat([kv[:, :, :100].float(), kv[:, :, 500:]], dim=2),
+    "add_broadcast": lambda kv: kv + kv[:, :, :1],
+    "cat_of_transposed": lambda kv: torch.cat([kv.transpose(2, 3), kv.transpose(2, 3)], 3),
     "index_put": lambda kv: kv.index_put((torch.tensor([0]),), torch.zeros(4, 1024, 512,
                                                                            dtype=kv.dtype)),
 }
@@ -87,7 +93,9 @@ def test_pooled_outputs_equal_plain_call(name):
     assert _same(got, want), name
     assert torch.equal(kv.view(torch.int16), _kv().view(torch.int16))  # input untouched
     if name in ("index_select", "cat", "clone", "to_float", "mul_scalar", "float_mul_back",
-                "contiguous_of_permuted", "roll", "pad", "stack", "where", "gather"):
+                "contiguous_of_permuted", "roll", "pad", "stack", "where", "gather",
+                "sub_same_shape", "maximum", "where_two_tensors", "cat_mixed_dtypes",
+                "add_broadcast"):
         assert mode.pooled >= 1, name  # these really came from the pool
 
 
