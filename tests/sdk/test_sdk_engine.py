@@ -127,6 +127,33 @@ def _upstream_program():
     return mod
 
 
+def test_stream_kv_flat_and_per_chunk_paths_agree(ours, engine_server, model_name,
+                                                  monkeypatch):
+    """The modify's two ways through a CPU engine's rows agree byte for byte: the flat row
+    buffer (small chunks, the tiny model) and the core's per-chunk conversion (chunks from
+    ``FLAT_MAX_CHUNK_BYTES``, forced here), for reads and for stores."""
+    from lmcache_kv_fast.sdk import kvio
+
+    ctx = lmc_sdk.connect(KV, engine_server.url, engine_server.http_url, model_name)
+    try:
+        flat = kvio.StreamKV(ctx)
+        monkeypatch.setattr(kvio, "FLAT_MAX_CHUNK_BYTES", 0)
+        chunked = kvio.StreamKV(ctx)
+        assert flat._cpu is not None and chunked._cpu is None
+        toks = ours["edited"][0]
+        a, b = flat.read(toks, "ours"), chunked.read(toks, "ours")
+        assert a is not None and b is not None and a.shape[2] == whole(len(toks))
+        assert torch.equal(a.view(torch.int16), b.view(torch.int16))
+        edit = a.flip(2).contiguous()  # other bytes than the engine's, same geometry
+        for i, (writer, reader) in enumerate(((chunked, flat), (flat, chunked))):
+            salt = f"kvio-paths-{i}"
+            assert writer.store(edit, toks[: edit.shape[2]], salt).tokens_stored == edit.shape[2]
+            back = reader.read(toks[: edit.shape[2]], salt)
+            assert back is not None and torch.equal(back.view(torch.int16), edit.view(torch.int16))
+    finally:
+        ctx.close()
+
+
 def test_greedy_outputs_equal_upstream_batch(ours, openai_engine, engine_server, model_name,
                                              prompts):
     prog = _upstream_program()

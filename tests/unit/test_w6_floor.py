@@ -9,7 +9,8 @@ import pytest
 
 from lmcache_kv_fast.sdk import modify as sdk_modify
 from lmcache_kv_fast.sdk.batch import LMCacheBatchedStream
-from lmcache_kv_fast.testing.bench.w6 import W6Sizes, modify_floor, summarize
+from lmcache_kv_fast.testing.bench.cli import build_parser
+from lmcache_kv_fast.testing.bench.w6 import W6Sizes, kv_geometry, modify_floor, summarize
 
 
 def _side(side: str, rep: int, modify_s: float, server: float, engine: float,
@@ -71,3 +72,12 @@ def test_default_streams_in_flight_follow_the_cores(monkeypatch, cores, expected
     assert sdk_modify.default_max_in_flight() == expected
     assert LMCacheBatchedStream().max_in_flight == expected
     assert LMCacheBatchedStream(max_in_flight=7).max_in_flight == 7
+
+
+def test_kv_geometry_flag():
+    assert kv_geometry(build_parser().parse_args(["--w6"])) == (2, 2, 64)  # the test model
+    assert kv_geometry(build_parser().parse_args(["--w6", "--w6-kv-geometry", "8,8,128"])) \
+        == (8, 8, 128)
+    for bad in ("8,8", "8,8,100", "0,8,128", "a,b,c"):
+        with pytest.raises(SystemExit, match="w6-kv-geometry"):
+            kv_geometry(build_parser().parse_args(["--w6", "--w6-kv-geometry", bad]))

@@ -89,7 +89,7 @@ class Sizes:
 
 
 QUICK = {"w1_tokens": 1024, "w2_ops": 20, "w2_warmup": 2, "w3_sequences": 3, "w3_tokens": 512,
-         "w3_reps": 1, "w3_warmup": 0, "w4_tokens": 256, "w4_reps": 5, "reps": 3, "warmup": 1,
+         "w3_reps": 1, "w3_warmup": 1, "w4_tokens": 256, "w4_reps": 5, "reps": 3, "warmup": 1,
          "ic_reps": 1, "ic_warmup": 0}
 
 

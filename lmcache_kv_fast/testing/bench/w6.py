@@ -75,6 +75,11 @@ def add_w6_args(ap: argparse.ArgumentParser) -> None:
     g.add_argument("--w6-vllm-url", help="a running vLLM OpenAI server to use (with --url, "
                    "--http-url of the LMCache server it writes into and --w6-model)")
     g.add_argument("--w6-model", help="model name of --w6-vllm-url (default: the tiny Llama)")
+    g.add_argument("--w6-kv-geometry", metavar="LAYERS,KV_HEADS,HEAD_DIM",
+                   help="write and serve a tiny Llama with this KV geometry instead of the "
+                        "test model's 2,2,64 (1 KiB of KV per token): e.g. 8,8,128 (32 KiB "
+                        "per token, 64 MiB per 2,048-token stream), where copies weigh more "
+                        "than per-request work")
     g.add_argument("--w6-kernel", help="the engine's CPU attention kernel (default: this "
                    "machine's choice for the model)")
     g.add_argument("--w6-no-upstream", action="store_true", help="skip the upstream side")
@@ -92,6 +97,36 @@ def add_w6_args(ap: argparse.ArgumentParser) -> None:
                    help="torch intra-op threads of both workers (the edit and the layout "
                         "conversions of 2 MiB tensors; OpenMP spin-waits on a busy box cost "
                         "more than they gain); 0 = torch's default")
+
+
+def kv_geometry(args: argparse.Namespace) -> tuple[int, int, int]:
+    """``(layers, kv_heads, head_dim)`` of the served model (the tiny model's by default)."""
+    from lmcache_kv_fast.testing.tiny_model import TinyLlamaSpec
+
+    text = getattr(args, "w6_kv_geometry", None)
+    if not text:
+        spec = TinyLlamaSpec()
+        return spec.num_hidden_layers, spec.num_key_value_heads, spec.head_dim
+    try:
+        layers, heads, dim = (int(x) for x in text.split(","))
+    except ValueError:
+        raise SystemExit(f"--w6-kv-geometry wants LAYERS,KV_HEADS,HEAD_DIM, got {text!r}") \
+            from None
+    if min(layers, heads, dim) < 1 or dim % 16:
+        raise SystemExit(f"--w6-kv-geometry: positive sizes and a head dim that is a "
+                         f"multiple of 16, got {text!r}")
+    return layers, heads, dim
+
+
+def geometry_model(layers: int, heads: int, dim: int) -> str:
+    """The directory of a tiny Llama with that KV geometry (written once)."""
+    from lmcache_kv_fast.testing.tiny_model import TinyLlamaSpec, ensure_tiny_model
+
+    base = TinyLlamaSpec()
+    spec = TinyLlamaSpec(num_hidden_layers=layers, num_key_value_heads=heads,
+                         num_attention_heads=max(heads, base.num_attention_heads // heads * heads),
+                         head_dim=dim)
+    return str(ensure_tiny_model(spec))
 
 
 def sizes_from(args: argparse.Namespace) -> W6Sizes:
@@ -117,19 +152,32 @@ def _engine(args: argparse.Namespace, s: W6Sizes) -> Iterator[dict[str, Any]]:
             yield {"url": args.url, "http_url": args.http_url, "vllm_url": args.w6_vllm_url,
                    "model": args.w6_model, "engine": None, "pgids": {}}
             return
-        model = args.w6_model or str(ensure_tiny_model())
+        layers, heads, dim = kv_geometry(args)
+        if args.w6_model:
+            model = args.w6_model
+        elif getattr(args, "w6_kv_geometry", None):
+            model = geometry_model(layers, heads, dim)
+        else:
+            model = str(ensure_tiny_model())
+        kv_token_bytes = layers * 2 * heads * dim * 2  # bf16
         pgids: dict[str, int] = {}
         if args.url and args.http_url:
             url, http_url = args.url, args.http_url
             port = int(url.rsplit(":", 1)[1])
         else:
-            l1 = max(1.0, 4 * s.reps * s.streams * s.prompt_tokens * 1024 / 2**30)
+            # every side's prompts and edits of every rep, while that fits in 6 GiB (the
+            # server evicts the oldest beyond)
+            l1 = max(1.0, min(max(6.0, 2.5 * s.streams * s.prompt_tokens * kv_token_bytes / 2**30),
+                              4 * s.reps * s.streams * s.prompt_tokens * kv_token_bytes / 2**30))
             srv = stack.enter_context(LMCacheServer(shm=True, chunk_size=CHUNK, l1_size_gb=l1))
             url, http_url, port = srv.url, srv.http_url, srv.port
             if srv.proc is not None:
                 pgids["server"] = os.getpgid(srv.proc.pid)
         max_len = max(2048, -(-(s.prompt_tokens + s.decode_tokens + 16) // 1024) * 1024)
-        eng = stack.enter_context(OpenAIEngine(model, port, max_model_len=max_len))
+        kv_gb = max(1, -(-int(1.5 * s.streams * (s.prompt_tokens + s.decode_tokens)
+                              * kv_token_bytes) // 2**30))
+        eng = stack.enter_context(OpenAIEngine(model, port, max_model_len=max_len,
+                                               kv_space_gb=kv_gb))
         with contextlib.suppress(AttributeError, OSError, TypeError):
             pgids["engine"] = os.getpgid(eng.proc.pid)  # type: ignore[union-attr]
         yield {"url": url, "http_url": http_url, "vllm_url": eng.url, "model": model,
@@ -182,7 +230,7 @@ def run_w6(args: argparse.Namespace) -> dict[str, Any]:
     runs: list[dict[str, Any]] = []
     t_start = time.time()
     with _engine(args, s) as env:
-        kernel = args.w6_kernel or select_cpu_kernel("bfloat16", 128, 64)
+        kernel = args.w6_kernel or select_cpu_kernel("bfloat16", 128, kv_geometry(args)[2])
         for rep in range(s.reps):
             order = sides if rep % 2 == 0 else sides[::-1]
             for side in order:

@@ -127,6 +127,18 @@ class CpuUse:
         self.seconds = {k: t1[k] - self._t0[k] for k in t1}
 
 
+def _native_stats() -> dict[str, int]:
+    """This SDK's copy-core counters (result pool hits / misses, cold-page writes), flat."""
+    try:
+        from lmcache_kv_fast import _native
+    except ImportError:
+        return {}
+    out: dict[str, int] = {}
+    for prefix, stats in (("pool_", _native.result_pool_stats()), ("copy_", _native.copy_stats())):
+        out.update({prefix + k: int(v) for k, v in stats.items() if isinstance(v, (int, float))})
+    return out
+
+
 def drop_every(n: int, kv_kind: Any) -> Callable[..., Any]:
     """The edit: drop every ``n``-th token's K/V and id."""
 
@@ -229,10 +241,12 @@ def run(cfg: dict[str, Any]) -> dict[str, Any]:
                         "import_connect_s": import_connect_s, "prefill_s": prefill_s,
                         **landed, "edit_cpu_s": edit_cpu(ctx, streams, cfg["salt"], fn, kind)}
             time.sleep(float(cfg.get("settle_s") or 0.0))
+            native0 = _native_stats() if cfg["side"] == "ours" else {}
             with PeakRss() as rss, CpuUse(dict(cfg.get("pgids") or {})) as cpu:
                 t = time.perf_counter()
                 report = batch.modify(fn)
                 modify_s = time.perf_counter() - t
+            native1 = _native_stats() if cfg["side"] == "ours" else {}
             t = time.perf_counter()
             batch.decode({**sp, "max_tokens": int(cfg["max_tokens"])})
             decode_s = time.perf_counter() - t
@@ -243,6 +257,7 @@ def run(cfg: dict[str, Any]) -> dict[str, Any]:
                 "modify_s": modify_s, "decode_s": decode_s,
                 "modify_rss_growth": rss.growth, "modify_private_growth": rss.private,
                 "rss_method": rss.method, "modify_cpu_s": cpu.seconds,
+                "native_stats": {k: native1[k] - native0.get(k, 0) for k in native1},
                 "tokens": [list(s.tokens) for s in streams],
                 "modify_report": report.to_dict(),
             }
