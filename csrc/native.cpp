@@ -482,6 +482,19 @@ PYBIND11_MODULE(_native, m) {
           "offset"_a, "length"_a,
           "Map the already-allocated pages of [offset, offset + length) (no fault on the "
           "next copy into them); returns the pages mapped.")
+      .def(
+          "cold",
+          [](Mapping& self, py::handle addr, py::handle nbytes) {
+            const uint64_t a = field(addr, "addr");
+            const uint64_t n = field(nbytes, "nbytes");
+            self.pin();  // ValueError if closed; close() now waits for this call
+            const bool c = self.cold(static_cast<uintptr_t>(a), n);
+            self.unpin();
+            return c;
+          },
+          "addr"_a, "nbytes"_a,
+          "Whether most of [addr, addr + nbytes) has no page in the segment yet (sampled "
+          "with mincore; False outside the mapping): a write there allocates every page.")
       .def("close", &Mapping::close)
       .def("__enter__", [](Mapping& self) -> Mapping& { return self; },
            py::return_value_policy::reference)

@@ -26,6 +26,19 @@ constexpr size_t kHuge = 2u << 20;
 
 size_t round_up(size_t n, size_t a) { return (n + a - 1) / a * a; }
 
+// The capacity mapped for a request of n bytes: whole huge pages, and from 16 MiB up in
+// quarter-power-of-two steps (16, 20, 24, 28, 32, 40, ... MiB), so results of nearby
+// sizes share pooled regions. Without the classes a pool that served a 57.6 MiB edit
+// (a 2,048-token stream with every 10th token dropped) held 58 MiB regions that no
+// 64 MiB read could take: every rep of bench W6 mapped and faulted ~100 MiB afresh.
+// At most 25% of a region is slack, faulted only when a result uses it.
+size_t capacity_class(size_t n) {
+  const size_t cap = round_up(n, kHuge);
+  if (cap <= (16u << 20)) return cap;
+  size_t top = size_t{1} << (63 - __builtin_clzll(static_cast<unsigned long long>(cap)));
+  return round_up(cap, top / 4);
+}
+
 uint64_t default_limit() {
   if (const char* env = std::getenv("LMCACHE_KV_FAST_RESULT_POOL_MB")) {
     char* end = nullptr;
@@ -38,6 +51,22 @@ uint64_t default_limit() {
       (pages > 0 && psize > 0) ? static_cast<uint64_t>(pages) * static_cast<uint64_t>(psize)
                                : (8ull << 30);
   return std::min<uint64_t>(4ull << 30, phys / 8);
+}
+
+// Whether fresh result regions are advised MADV_HUGEPAGE (LMCACHE_KV_FAST_RESULT_THP=1).
+// Off by default: on a VM whose balloon reports free memory to the host (virtio
+// free page reporting, order 9 = exactly the blocks a huge page takes), a huge page
+// is usually a block the host discarded, and its first touch waits for the host to back
+// all of it: populating 3 x 64 MiB took 0.01 s or 0.2-0.45 s (bimodal, 6 fresh
+// processes) with MADV_HUGEPAGE against a steady 0.07-0.11 s with 4 KiB pages, and in
+// bench W6 (32 KiB of KV per token) that wait was ~0.45 s of a 1.0-1.2 s modify. The
+// copies into 4 KiB pages are as fast (sequential writes; the page walks are cached).
+bool huge_results() {
+  static const bool on = [] {
+    const char* env = std::getenv("LMCACHE_KV_FAST_RESULT_THP");
+    return env != nullptr && env[0] == '1' && env[1] == '\0';
+  }();
+  return on;
 }
 
 struct Pool {
@@ -161,17 +190,19 @@ Prefault parse_prefault(const std::string& name) {
 
 ResultBuffer::ResultBuffer(uint64_t nbytes, Prefault prefault, bool use_pool)
     : nbytes_(nbytes), use_pool_(use_pool) {
-  const size_t cap = round_up(static_cast<size_t>(nbytes), kHuge);
+  const size_t cap = capacity_class(static_cast<size_t>(nbytes));
   if (use_pool) {
     region_ = take(cap);
     recycled_ = static_cast<bool>(region_);
   }
   if (!region_) {
-    region_ = AnonRegion::map(cap, true);
+    region_ = AnonRegion::map(cap, huge_results());
     if (prefault == Prefault::kPopulate) {
+      // the requested bytes only: the class's slack is faulted if a later result uses it
       char* base = region_.data();
-      const uint64_t chunks = cap / kHuge;
-      run_parallel(cap, 1 << 20, [&](int part, int nparts) {
+      const size_t want = round_up(static_cast<size_t>(nbytes), kHuge);
+      const uint64_t chunks = want / kHuge;
+      run_parallel(want, 1 << 20, [&](int part, int nparts) {
         const uint64_t c0 = chunks * static_cast<uint64_t>(part) / static_cast<uint64_t>(nparts);
         const uint64_t c1 =
             chunks * static_cast<uint64_t>(part + 1) / static_cast<uint64_t>(nparts);

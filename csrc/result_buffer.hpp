@@ -1,10 +1,11 @@
 // Result buffers: memory for tensors that a gather fills right after allocation.
 //
-// A fresh torch.empty() of hundreds of MiB is faulted in 4 KiB pages during the gather
-// (~2 GB/s). ResultBuffer instead hands out an anonymous mapping advised
-// MADV_HUGEPAGE (2 MiB faults), and when the last tensor over it dies it goes into a
-// bounded process-wide pool of already-faulted buffers, so the next result of a similar
-// size is written at warm-memory speed. Python wraps a ResultBuffer with
+// A fresh torch.empty() of hundreds of MiB is faulted page by page during the gather
+// (~2 GB/s). ResultBuffer instead hands out an anonymous mapping populated on the pool
+// threads before the gather (MADV_HUGEPAGE only with LMCACHE_KV_FAST_RESULT_THP=1: see
+// huge_results()), and when the last tensor over it dies it goes into a bounded
+// process-wide pool of already-faulted buffers, so the next result of a similar size
+// (capacity classes: capacity_class()) is written at warm-memory speed. Python wraps a ResultBuffer with
 // torch.frombuffer (buffer protocol); the tensor's storage holds a reference to it.
 #pragma once
 

@@ -14,7 +14,13 @@ the attention kernel's in-block order. The session registers and moves those (it
 between the objects and the caller's tensor into a conversion to / from the documented
 per-token ``[2, L, T, NH*HS]`` K/V, chunk by chunk, straight from / into the SHM slots (or
 pickle frames): one strided copy per plane, no intermediate buffer
-(:class:`~lmcache_kv_fast.layout.CpuEngineKV`).
+(:class:`~lmcache_kv_fast.layout.CpuEngineKV`). The exception is a store into a slot whose
+pages the server's pool has never held (a fresh pool, a pool that grew): written through
+the mapping, every 4 KiB page faults, is allocated, zeroed and mapped (~3-5 us each on a
+VM: 1 GiB of such stores cost 0.4-0.8 s of kernel time in bench W6). Such a chunk is
+converted into a reused per-thread staging buffer instead and written by the copy core's
+raw scatter, whose cold-page path fills the pages without faulting or zeroing them
+(``UFFDIO_COPY`` or ``pwritev``; ``csrc/native.cpp``).
 
 :func:`per_token` switches a call on the calling thread to per-token mode: the session's
 ``Session.copy`` and ``alloc_result`` ask
@@ -27,6 +33,7 @@ import contextlib
 import ctypes
 import logging
 import os
+import threading
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -176,6 +183,17 @@ def active(s: SessionState) -> EngineKVCopy | None:
     return getattr(s.tls, "engine_copy", None)
 
 
+def _cold(r: Region) -> bool:
+    """Whether ``r`` lies in SHM pages the pool has never held (False without a mapping)."""
+    m = getattr(r, "mapping", None)
+    if m is None:
+        return False
+    try:
+        return bool(m.cold(r.addr, r.nbytes))
+    except ValueError:  # the segment closed meanwhile: the copy itself reports it
+        return False
+
+
 class EngineKVCopy:
     """Chunk copies between the engine's raw objects and per-token K/V.
 
@@ -193,6 +211,7 @@ class EngineKVCopy:
         self.geom = geom
         self._gather = gather_fn
         self._obj = (geom.layers, geom.chunk_tokens, geom.width)
+        self._tls = threading.local()  # per thread: its staging chunk for cold stores
 
     def kv_shape(self, tokens: int) -> tuple[int, ...]:
         """Per-token shape of ``tokens`` tokens: ``[2, L, T, NH*HS]``."""
@@ -218,11 +237,26 @@ class EngineKVCopy:
                     f"chunk {i} outside the {tokens}-token tensor {list(t.shape)}"
                 )
             part = t.narrow(-2, i * c, c)
+            if not read and _cold(r):
+                # never-allocated pool pages: convert here, fill them with the core's
+                # cold-page path (module docstring)
+                staging = self._staging()
+                self.cpu.to_raw(part, out=staging)
+                fn(staging, self.geom, [0], [r], 0)
+                continue
             obj = self._view(r, write=not read)
             if read:
                 self.cpu.to_tokens(obj, out=part)
             else:
                 self.cpu.to_raw(part, out=obj)
+
+    def _staging(self) -> torch.Tensor:
+        """This thread's ``[L, C, W]`` chunk buffer (made once and reused: stays faulted)."""
+        buf: torch.Tensor | None = getattr(self._tls, "staging", None)
+        if buf is None:
+            buf = torch.empty(self._obj, dtype=self.cpu.dtype)
+            self._tls.staging = buf
+        return buf
 
     def _view(self, r: Region, *, write: bool) -> torch.Tensor:
         """The region's object as a ``[L, C, W]`` tensor (its own memory, no copy).

@@ -264,8 +264,11 @@ def alloc_result(shape: Sequence[int], dtype: torch.dtype) -> torch.Tensor:
     """Allocate a contiguous CPU tensor for a gather to fill.
 
     Large results live in a native buffer: recycled from a bounded pool of already
-    faulted buffers when one fits, else a fresh 2 MiB-aligned mapping advised
-    ``MADV_HUGEPAGE`` (faulted in 2 MiB pages by the parallel gather). The tensor holds
+    faulted buffers when one fits (capacities come in classes, so a 64 MiB read reuses
+    the buffer of a 57.6 MiB edit), else a fresh 2 MiB-aligned mapping populated on the
+    copy threads (``MADV_HUGEPAGE`` only with ``LMCACHE_KV_FAST_RESULT_THP=1``: on a VM
+    that reports free memory to its host, huge pages often wait for the host to back
+    them; ``csrc/result_buffer.cpp``). The tensor holds
     the buffer; it goes back to the pool when the last tensor/view over it dies. The
     tensor's storage is not resizable. Contents are uninitialised, as with torch.empty.
     """

@@ -493,3 +493,23 @@ def test_uffd_env_switch(value: str | None, expected: bool) -> None:
         [sys.executable, "-c", "from lmcache_kv_fast import _native; print(_native.get_cold_uffd())"],
         env=env, capture_output=True, text=True, timeout=120, check=True)
     assert out.stdout.strip() == str(expected)
+
+
+def test_mapping_cold_reports_unallocated_pages(segment: tuple[str, nb.NativeSegment]) -> None:
+    """``Mapping.cold``: the per-chunk converting store's test for never-allocated slots."""
+    path, seg = segment
+    m = seg.mapping
+    n = GEOM.chunk_nbytes
+    assert m.cold(m.address, n) and m.cold(m.address + n, n)  # a fresh (sparse) segment
+    with open(path, "r+b") as f:  # allocate the first chunk's pages
+        f.write(b"\1" * n)
+    assert not m.cold(m.address, n)
+    assert m.cold(m.address + n, n)
+    # outside the mapping, or empty: not cold (the copy itself refuses bad regions)
+    assert not m.cold(m.address + m.size, n)
+    assert not m.cold(m.address, 0)
+    _punch(path)
+    assert m.cold(m.address, n)
+    seg.close()
+    with pytest.raises(ValueError, match="closed"):
+        m.cold(m.address, n)

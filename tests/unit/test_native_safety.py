@@ -578,6 +578,37 @@ def test_alloc_result_random_free_order() -> None:
     assert _native.result_pool_stats()["pooled_bytes"] == 0
 
 
+@pytest.mark.parametrize(("nbytes", "capacity"), [
+    (1, 2 << 20), (3 << 20, 4 << 20), (16 << 20, 16 << 20), ((16 << 20) + 1, 20 << 20),
+    (int(57.6 * 2**20), 64 << 20), (64 << 20, 64 << 20), ((64 << 20) + 1, 80 << 20),
+    (100 << 20, 112 << 20),
+])
+def test_result_capacity_classes(nbytes: int, capacity: int) -> None:
+    """Whole huge pages; from 16 MiB up, quarter-power-of-two classes."""
+    assert _native.ResultBuffer(nbytes, pool=False).capacity == capacity
+
+
+def test_results_of_nearby_sizes_share_pooled_buffers() -> None:
+    """A read of a 2,048-token stream takes the buffer its edit (every 10th token dropped,
+    57.6 MiB) used: no new mapping, no page faults."""
+    _native.result_pool_trim()
+    edit = nb.alloc_result((2, 8, 1843, 1024), torch.bfloat16)  # 57.6 MiB
+    ptr = edit.data_ptr()
+    del edit
+    gc.collect()
+    misses = _native.result_pool_stats()["misses"]
+    read = nb.alloc_result((2, 8, 2048, 1024), torch.bfloat16)  # 64 MiB
+    try:
+        assert read.data_ptr() == ptr
+        assert _native.result_pool_stats()["misses"] == misses
+        read.fill_(3)  # the class's slack pages are usable memory
+        assert bool((read[:, :, -1] == 3).all())
+    finally:
+        del read
+        gc.collect()
+        _native.result_pool_trim()
+
+
 def test_result_buffer_rejects_bad_sizes() -> None:
     with pytest.raises(ValueError):
         _native.ResultBuffer(0)

@@ -87,6 +87,11 @@ def add_w6_args(ap: argparse.ArgumentParser) -> None:
                    help="seconds between the prefill and the modify, untimed, both sides "
                         "(vLLM's CPU worker busy-polls a core for 1 s after its last step: "
                         "1.5 measures the modify on an idle engine)")
+    g.add_argument("--w6-cold-pool", action="store_true",
+                   help="leave the server's SHM pool sparse (by default every page of it is "
+                        "allocated once before the reps, as on a server that has run a "
+                        "while: a fresh pool's first writes allocate and zero each page, "
+                        "whichever side stores first)")
     g.add_argument("--w6-no-land", action="store_true",
                    help="skip the landing probe (a third worker per rep: prefill, then "
                         "lookups until the engine's store of every stream is visible; the "
@@ -171,6 +176,8 @@ def _engine(args: argparse.Namespace, s: W6Sizes) -> Iterator[dict[str, Any]]:
                               4 * s.reps * s.streams * s.prompt_tokens * kv_token_bytes / 2**30))
             srv = stack.enter_context(LMCacheServer(shm=True, chunk_size=CHUNK, l1_size_gb=l1))
             url, http_url, port = srv.url, srv.http_url, srv.port
+            if not getattr(args, "w6_cold_pool", False):
+                srv.warm_pool()  # before the engine stores anything
             if srv.proc is not None:
                 pgids["server"] = os.getpgid(srv.proc.pid)
         max_len = max(2048, -(-(s.prompt_tokens + s.decode_tokens + 16) // 1024) * 1024)
@@ -256,9 +263,18 @@ def run_w6(args: argparse.Namespace) -> dict[str, Any]:
                     logger.info("W6 rep %d %s: modify %.3fs, +%.1f MiB", rep, side,
                                 res["modify_s"], res["modify_rss_growth"] / 2**20)
     doc = summarize(s, runs)
+    doc["pool"] = pool_state(args)
     doc["seconds"] = time.time() - t_start
     print_w6(doc)
     return doc
+
+
+def pool_state(args: argparse.Namespace) -> str:
+    """How the server's SHM pool was when the reps started (for the report)."""
+    if getattr(args, "url", None) and getattr(args, "http_url", None):
+        return "as given (--url)"
+    return "cold (sparse)" if getattr(args, "w6_cold_pool", False) else \
+        "warm (every page allocated before the reps)"
 
 
 def summarize(s: W6Sizes, runs: list[dict[str, Any]]) -> dict[str, Any]:
@@ -344,6 +360,8 @@ def print_w6(doc: dict[str, Any]) -> None:
     print(f"\nW6 — batched stream on a real vLLM CPU engine: {s['streams']} streams x "
           f"{s['prompt_tokens']} prompt tokens, drop every {s['drop_every']}th token, "
           f"decode {s['decode_tokens']} tokens; medians of {s['reps']} rep(s) per side")
+    if doc.get("pool"):
+        print(f"server's SHM pool: {doc['pool']}")
     print(f"{'side':<10}{'prefill s':>11}{'modify s':>11}{'+RSS MiB':>10}{'+private MiB':>14}"
           f"{'decode s':>11}{'ext. hits':>11}")
     for side, v in doc["sides"].items():
@@ -354,9 +372,13 @@ def print_w6(doc: dict[str, Any]) -> None:
         cpu = {k[len("modify_cpu_"):-2]: x for k, x in v.items() if k.startswith("modify_cpu_")}
         if cpu:
             faults = cpu.pop("self_minflt", None)
+            gcs = {k: cpu.pop(k) for k in ("gc_collections", "gc_full", "gc_s") if k in cpu}
             print(f"  {side} modify CPU s (medians): "
                   + ", ".join(f"{k} {x:.3f}" for k, x in cpu.items())
-                  + ("" if faults is None else f"; its page faults {faults:.0f}"))
+                  + ("" if faults is None else f"; its page faults {faults:.0f}")
+                  + ("" if not gcs else f"; Python GC {gcs.get('gc_collections', 0):.0f} "
+                     f"collections ({gcs.get('gc_full', 0):.0f} full) "
+                     f"{gcs.get('gc_s', 0.0):.3f} s"))
     land = doc.get("land")
     if land:
         print(f"land      {land['prefill_s']:>11.3f}   the engine's store visible "

@@ -119,12 +119,25 @@ class CpuUse:
                 **{name: _group_cpu_s(g) for name, g in self.pgids.items()}}
 
     def __enter__(self) -> CpuUse:
+        self._gc: dict[str, float] = {"gc_collections": 0.0, "gc_full": 0.0, "gc_s": 0.0}
+        self._gc_t = 0.0
+        gc.callbacks.append(self._on_gc)
         self._t0 = self._now()
         return self
 
     def __exit__(self, *exc: object) -> None:
         t1 = self._now()
-        self.seconds = {k: t1[k] - self._t0[k] for k in t1}
+        gc.callbacks.remove(self._on_gc)
+        self.seconds = {k: t1[k] - self._t0[k] for k in t1} | self._gc
+
+    def _on_gc(self, phase: str, info: dict[str, int]) -> None:
+        """Python's cyclic collections during the block (count, full ones, wall seconds)."""
+        if phase == "start":
+            self._gc_t = time.perf_counter()
+            self._gc["gc_collections"] += 1
+            self._gc["gc_full"] += info.get("generation") == 2
+        else:
+            self._gc["gc_s"] += time.perf_counter() - self._gc_t
 
 
 def _native_stats() -> dict[str, int]:
