@@ -9,6 +9,10 @@
 #if defined(__SSE2__)
 #include <emmintrin.h>
 #endif
+#if defined(__x86_64__)
+#include <immintrin.h>
+#define LMCKV_AVX2_TILE 1
+#endif
 
 #include "common.hpp"
 #include "thread_pool.hpp"
@@ -144,6 +148,89 @@ inline void transpose4x4_u32(const uint32_t* const in[4], uint32_t* const out[4]
   for (int k = 0; k < 4; ++k) _mm_storeu_si128(reinterpret_cast<__m128i*>(out[k]), c[k]);
 }
 
+#if defined(LMCKV_AVX2_TILE)
+// The 8 x 8 transpose of transpose8x8_u16 in each 128-bit lane of 8 AVX2 rows: lane 0 of
+// c[k] is column k of the rows' lane 0, lane 1 column k + 8.
+__attribute__((target("avx2"))) inline void transpose8x8_lanes(const __m256i r[8],
+                                                               __m256i c[8]) {
+  const __m256i t0 = _mm256_unpacklo_epi16(r[0], r[1]), t1 = _mm256_unpackhi_epi16(r[0], r[1]);
+  const __m256i t2 = _mm256_unpacklo_epi16(r[2], r[3]), t3 = _mm256_unpackhi_epi16(r[2], r[3]);
+  const __m256i t4 = _mm256_unpacklo_epi16(r[4], r[5]), t5 = _mm256_unpackhi_epi16(r[4], r[5]);
+  const __m256i t6 = _mm256_unpacklo_epi16(r[6], r[7]), t7 = _mm256_unpackhi_epi16(r[6], r[7]);
+  const __m256i u0 = _mm256_unpacklo_epi32(t0, t2), u1 = _mm256_unpackhi_epi32(t0, t2);
+  const __m256i u2 = _mm256_unpacklo_epi32(t1, t3), u3 = _mm256_unpackhi_epi32(t1, t3);
+  const __m256i u4 = _mm256_unpacklo_epi32(t4, t6), u5 = _mm256_unpackhi_epi32(t4, t6);
+  const __m256i u6 = _mm256_unpacklo_epi32(t5, t7), u7 = _mm256_unpackhi_epi32(t5, t7);
+  c[0] = _mm256_unpacklo_epi64(u0, u4);
+  c[1] = _mm256_unpackhi_epi64(u0, u4);
+  c[2] = _mm256_unpacklo_epi64(u1, u5);
+  c[3] = _mm256_unpackhi_epi64(u1, u5);
+  c[4] = _mm256_unpacklo_epi64(u2, u6);
+  c[5] = _mm256_unpackhi_epi64(u2, u6);
+  c[6] = _mm256_unpacklo_epi64(u3, u7);
+  c[7] = _mm256_unpackhi_epi64(u3, u7);
+}
+
+// A 32 x 32 tile of 16-bit elements (one cache line per row on both sides) through a 2 KiB
+// staging tile: every source line is loaded whole, once (8 lines at a time, transposed in
+// registers into the staging tile), then every destination line is written whole, once.
+// A CPU engine's K plane reads lines 4 KiB apart and writes lines 2 KiB apart: the SSE2
+// 8 x 8 blocks straight from source to destination revisit each line 4 times, after its
+// neighbours in the same L1 set (all lines 4 KiB apart share one) have evicted it.
+// One thread, 64 MiB of K/V (8 layers x 8 heads x 128): the K plane to per-token 5.4-6.9 ms
+// (SSE2 blocks: 7.7-12.3 ms), to the engine's rows 2.9-3.4 ms (7.0-10.9 ms).
+__attribute__((target("avx2"))) bool tile32_u16_avx2(char* dst, const char* src,
+                                                     const StridedPlan& p) {
+  if (!p.a_dst_unit || !p.b_src_unit || p.a_dst.size() != 32 || p.b_dst.size() != 32) {
+    return false;
+  }
+  alignas(64) uint16_t buf[32 * 32];  // [j][i]: destination line j, element i
+  const uint16_t* s = reinterpret_cast<const uint16_t*>(src);
+  uint16_t* d = reinterpret_cast<uint16_t*>(dst);
+  for (int i0 = 0; i0 < 32; i0 += 8) {
+    __m256i lo[8], hi[8], c[8];
+    for (int k = 0; k < 8; ++k) {
+      const uint16_t* line = s + p.a_src[static_cast<size_t>(i0 + k)];
+      lo[k] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(line));
+      hi[k] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(line + 16));
+    }
+    transpose8x8_lanes(lo, c);  // columns k (lane 0) and k + 8 (lane 1) of rows i0..i0+7
+    for (int k = 0; k < 8; ++k) {
+      _mm_store_si128(reinterpret_cast<__m128i*>(buf + k * 32 + i0), _mm256_castsi256_si128(c[k]));
+      _mm_store_si128(reinterpret_cast<__m128i*>(buf + (k + 8) * 32 + i0),
+                      _mm256_extracti128_si256(c[k], 1));
+    }
+    transpose8x8_lanes(hi, c);  // columns 16 + k and 24 + k
+    for (int k = 0; k < 8; ++k) {
+      _mm_store_si128(reinterpret_cast<__m128i*>(buf + (k + 16) * 32 + i0),
+                      _mm256_castsi256_si128(c[k]));
+      _mm_store_si128(reinterpret_cast<__m128i*>(buf + (k + 24) * 32 + i0),
+                      _mm256_extracti128_si256(c[k], 1));
+    }
+  }
+  // Streaming stores (no read of the destination lines first) for copies larger than the
+  // caches, where every destination line of the tile starts on a 32-byte boundary.
+  const bool stream = p.nt_ok && (reinterpret_cast<uintptr_t>(d) & 31) == 0;
+  for (int j = 0; j < 32; ++j) {
+    uint16_t* line = d + p.b_dst[static_cast<size_t>(j)];
+    const __m256i* from = reinterpret_cast<const __m256i*>(buf + j * 32);
+    if (stream) {
+      _mm256_stream_si256(reinterpret_cast<__m256i*>(line), _mm256_load_si256(from));
+      _mm256_stream_si256(reinterpret_cast<__m256i*>(line + 16), _mm256_load_si256(from + 1));
+    } else {
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(line), _mm256_load_si256(from));
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(line + 16), _mm256_load_si256(from + 1));
+    }
+  }
+  return true;
+}
+
+bool have_avx2() {
+  static const bool yes = __builtin_cpu_supports("avx2");
+  return yes;
+}
+#endif
+
 // A tile whose A side is contiguous on the destination and B side on the source, both
 // multiples of the block: transposed block by block straight from source to destination.
 template <typename T, int K, void (*Block)(const T* const*, T* const*)>
@@ -186,6 +273,9 @@ void inner(char* dst, const char* src, const StridedPlan& p) {
   switch (p.itemsize) {
     case 1: tile_typed<uint8_t>(dst, src, p); break;
     case 2:
+#if defined(LMCKV_AVX2_TILE)
+      if (have_avx2() && tile32_u16_avx2(dst, src, p)) break;
+#endif
 #if defined(__SSE2__)
       if (tile_simd<uint16_t, 8, transpose8x8_u16>(dst, src, p)) break;
 #endif
@@ -317,6 +407,11 @@ StridedPlan plan_strided_copy(uintptr_t dst_base, uint64_t dst_nbytes, uint64_t 
     });
   }
   plan.outer = std::move(merged);
+  // Streaming stores need every tile's destination lines 32-byte aligned once the tile's
+  // base is: the lines' offsets and the outer steps multiples of 32 bytes.
+  plan.nt_ok = total >= (4u << 20) &&
+               std::all_of(plan.b_dst.begin(), plan.b_dst.end(),
+                           [&](uint64_t o) { return (o * plan.itemsize) % 32 == 0; });
   return plan;
 }
 
@@ -354,6 +449,9 @@ void execute_strided_copy(const StridedPlan& p) {
         soff -= (d.size - 1) * d.src_stride;
       }
     }
+#if defined(__SSE2__)
+    _mm_sfence();  // streaming stores of the tiles are visible before the task counts done
+#endif
   });
 }
 

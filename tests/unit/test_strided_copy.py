@@ -62,6 +62,30 @@ def test_engine_layouts_equal_torch(kernel, monkeypatch):
         assert torch.equal(back, kv)
 
 
+@pytest.mark.parametrize("rows,cols,off,pitch", [
+    (32, 32, 0, 1024), (64, 96, 0, 1024), (96, 64, 1, 1024), (128, 32, 7, 1024),
+    (32, 128, 3, 1024),
+    # >= 4 MiB: streaming stores where the destination lines are 32-byte aligned
+    (1536, 1536, 0, 2048), (1536, 1536, 3, 2048), (2048, 1056, 0, 2056),
+])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.int16])
+def test_two_byte_transposes_equal_torch(rows, cols, off, pitch, dtype):
+    """Whole 32 x 32 tiles of 2-byte elements (the AVX2 staged tile where the CPU has AVX2),
+    at line-aligned and odd element offsets, with power-of-two pitches on both sides; the
+    bytes around the destination view stay untouched."""
+    g = torch.Generator().manual_seed(rows * cols + off)
+    src_base = torch.randint(-2**15, 2**15 - 1, (rows * 2048 + off + cols,), generator=g,
+                             dtype=torch.int16).view(dtype)
+    src = src_base[off:off + rows * 2048].view(rows, 2048)[:, :cols]  # rows 4 KiB apart
+    dst_base = torch.zeros(cols * pitch + off, dtype=dtype)
+    dst = dst_base[off:].view(cols, pitch)[:, :rows].t()  # columns `pitch` elements apart
+    copy_view(dst, src)
+    assert torch.equal(dst.contiguous().view(torch.int16), src.contiguous().view(torch.int16))
+    untouched = torch.ones(cols * pitch + off, dtype=torch.bool)
+    untouched[off:].view(cols, pitch)[:, :rows] = False
+    assert not bool(dst_base.view(torch.int16)[untouched].any())
+
+
 def _call(dst, src, *, sizes, dstr, sstr, doff=0, soff=0, dn=None, sn=None, isz=None):
     dn = dst.numel() * dst.element_size() if dn is None else dn
     sn = src.numel() * src.element_size() if sn is None else sn
