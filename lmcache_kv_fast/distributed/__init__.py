@@ -5,12 +5,14 @@ against its local server over shared memory; the driver routes each sequence to 
 server that holds its prefix, bounds the items in flight per actor, merges the reports
 and retries the items of a lost actor::
 
+    import logging
+
     from lmcache_kv_fast.distributed import Server, rewrite
 
     servers = [Server("tcp://10.0.0.1:5555", "http://10.0.0.1:8080"),
                Server("tcp://10.0.0.2:5555", "http://10.0.0.2:8080")]
     report = rewrite(servers, "my-model", token_lists, drop_tokens)
-    print(report.summary())
+    logging.getLogger(__name__).info("%s", report.summary())  # a text table
 
 Modules: :mod:`.servers` (addresses, node resolution), :mod:`.fleet` (:class:`Fleet`,
 actor lifecycle, the one-call functions), :mod:`._scheduler` (the driver loop),
