@@ -55,9 +55,9 @@ uint64_t default_limit() {
 
 // Whether fresh result regions are advised MADV_HUGEPAGE (LMCACHE_KV_FAST_RESULT_THP=1).
 // Off by default: on a VM whose balloon reports free memory to the host (virtio
-// free page reporting, order 9 = exactly the blocks a huge page takes), a huge page
-// is usually a block the host discarded, and its first touch waits for the host to back
-// all of it: populating 3 x 64 MiB took 0.01 s or 0.2-0.45 s (bimodal, 6 fresh
+// free page reporting, in 8 MiB blocks here: page_reporting_order=11), a huge page
+// usually lies in a block the host discarded, and its first touch waits for the host to
+// back all of it: populating 3 x 64 MiB took 0.01 s or 0.2-0.45 s (bimodal, 6 fresh
 // processes) with MADV_HUGEPAGE against a steady 0.07-0.11 s with 4 KiB pages, and in
 // bench W6 (32 KiB of KV per token) that wait was ~0.45 s of a 1.0-1.2 s modify. The
 // copies into 4 KiB pages are as fast (sequential writes; the page walks are cached).

@@ -81,3 +81,40 @@ def test_kv_geometry_flag():
     for bad in ("8,8", "8,8,100", "0,8,128", "a,b,c"):
         with pytest.raises(SystemExit, match="w6-kv-geometry"):
             kv_geometry(build_parser().parse_args(["--w6", "--w6-kv-geometry", bad]))
+
+
+class _Stream:
+    def __init__(self, tokens: list[int]) -> None:
+        self.tokens = tokens
+
+
+class _KVSource:
+    """What ``edit_cpu`` reads through: ``retrieve(tokens, salt)`` (a stream's cached KV)."""
+
+    def __init__(self, kv) -> None:
+        self.kv = kv
+
+    def retrieve(self, tokens, salt):
+        return None if self.kv is None else self.kv[:, :, : len(tokens)]
+
+
+def test_edit_cpu_counts_the_cheaper_form_of_the_edit_per_stream():
+    """The edit runs plainly and with its outputs in already-mapped pool memory; the
+    cheaper counts, the median stream's times the streams; no KV: NaN."""
+    import torch
+
+    from lmcache_kv_fast.testing.bench.w6_worker import drop_every, edit_cpu
+
+    calls: list[int] = []
+    drop = drop_every(10, "kv")
+
+    def fn(tensors, tokens):
+        calls.append(tensors["kv"].data_ptr())
+        return drop(tensors, tokens)
+
+    kv = torch.randn(2, 2, 512, 1024).to(torch.bfloat16)  # 4 MiB: the pool takes the output
+    streams = [_Stream(list(range(512))) for _ in range(3)]
+    cpu = edit_cpu(_KVSource(kv), streams, "", fn, "kv")
+    assert 0 < cpu < 30 and math.isfinite(cpu)
+    assert len(calls) == 3 * 3  # plain, untimed pooled, timed pooled per stream
+    assert math.isnan(edit_cpu(_KVSource(None), streams, "", fn, "kv"))

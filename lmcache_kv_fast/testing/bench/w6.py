@@ -326,11 +326,12 @@ def modify_floor(per: dict[str, dict[str, float]], land: dict[str, float],
     stream is visible (``land_last_s``), (2) have the server handle the requests that read
     and write every stream (at least the CPU the cheaper of the two SDKs' request sets
     cost the server, measured) and (3) run the user's edit on every stream (its CPU,
-    measured alone). (2) and (3) share the machine's cores with what the engine keeps
-    busy during the phase (vLLM's CPU worker busy-polls a core for 1 s after each step:
-    the smaller of the two sides' engine CPU per second of modify). A client with no cost
-    of its own would take ``max((1), ((2) + (3)) / free cores)``; upstream's modify over
-    that is the largest speed-up any client could show here.
+    measured alone, the cheaper of a plain run and one whose outputs go to memory that is
+    already mapped: ``w6_worker.edit_cpu``). (2) and (3) share the machine's cores with
+    what the engine keeps busy during the phase (vLLM's CPU worker busy-polls a core for
+    1 s after each step: the smaller of the two sides' engine CPU per second of modify).
+    A client with no cost of its own would take ``max((1), ((2) + (3)) / free cores)``;
+    upstream's modify over that is the largest speed-up any client could show here.
 
     Returns:
         ``{}`` without both SDKs' CPU figures; else the parts, ``floor_s`` and

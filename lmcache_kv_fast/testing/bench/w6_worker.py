@@ -197,19 +197,36 @@ def edit_cpu(ctx: Any, streams: list[Any], salt: str, fn: Callable[..., Any],
     """CPU seconds of the edit alone over every stream's cached KV (read first, untimed).
 
     Every SDK's modify runs the user's edit once per stream, so this is part of any
-    modify's CPU. Each KV is read, edited and dropped in turn; the result is the median
-    stream's CPU times the number of streams (a process's first torch calls are not
-    counted: the floor this feeds should favour the hypothetical client).
+    modify's CPU. Each KV is read, then edited twice, each result dropped: once plainly
+    (torch's allocator maps a large output afresh, so its pages fault in) and once with
+    its outputs in memory that is already mapped (a pool of reused buffers, as this
+    SDK's modify runs it; :class:`~lmcache_kv_fast.edit_policy.PooledOutputs`). The
+    floor this feeds should favour the hypothetical client, so the cheaper form counts:
+    the median stream's CPU of that form times the number of streams (a process's first
+    torch calls are not counted).
     """
-    times: list[float] = []
+    from lmcache_kv_fast.copy import backend
+    from lmcache_kv_fast.edit_policy import PooledOutputs
+
+    pooled = PooledOutputs(backend().alloc_result) if PooledOutputs is not None else None
+    plain: list[float] = []
+    mapped: list[float] = []
     for s in streams:
         kv = ctx.retrieve(s.tokens, salt)
         if kv is None:
             continue
+        toks = list(s.tokens[: kv.shape[-2]])
         t = time.thread_time()
-        fn({kind: kv}, list(s.tokens[: kv.shape[-2]]))
-        times.append(time.thread_time() - t)
-    return statistics.median(times) * len(streams) if times else float("nan")
+        fn({kind: kv}, toks)
+        plain.append(time.thread_time() - t)
+        if pooled is not None:
+            with pooled:
+                fn({kind: kv}, toks)  # the first use of a pool buffer maps it: untimed
+                t = time.thread_time()
+                fn({kind: kv}, toks)
+                mapped.append(time.thread_time() - t)
+    best = [min(a, b) for a, b in zip(plain, mapped, strict=True)] if mapped else plain
+    return statistics.median(best) * len(streams) if best else float("nan")
 
 
 def run(cfg: dict[str, Any]) -> dict[str, Any]:
