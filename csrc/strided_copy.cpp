@@ -229,6 +229,19 @@ bool have_avx2() {
   static const bool yes = __builtin_cpu_supports("avx2");
   return yes;
 }
+
+// One row of `bytes` (a multiple of 32) to a 32-byte-aligned destination with streaming
+// stores. A CPU engine's V plane is rows of one head (256 B for head size 128) between the
+// engine's contiguous blocks and per-token rows 2 KiB apart: copied with memcpy each
+// destination line is read before it is written; one thread, the 32 MiB V plane of a
+// 2,048-token stream of 8 layers x 8 heads x 128: 4.2 ms with memcpy, 2.4 ms streamed.
+__attribute__((target("avx2"))) void stream_row_avx2(char* dst, const char* src,
+                                                     uint64_t bytes) {
+  for (uint64_t k = 0; k < bytes; k += 32) {
+    _mm256_stream_si256(reinterpret_cast<__m256i*>(dst + k),
+                        _mm256_loadu_si256(reinterpret_cast<const __m256i*>(src + k)));
+  }
+}
 #endif
 
 // A tile whose A side is contiguous on the destination and B side on the source, both
@@ -267,6 +280,12 @@ void tile_bytes(char* dst, const char* src, const StridedPlan& p) {
 // Copy the innermost block at dst/src.
 void inner(char* dst, const char* src, const StridedPlan& p) {
   if (p.row_elems) {
+#if defined(LMCKV_AVX2_TILE)
+    if (p.nt_ok && (reinterpret_cast<uintptr_t>(dst) & 31) == 0 && have_avx2()) {
+      stream_row_avx2(dst, src, p.row_elems * p.itemsize);
+      return;
+    }
+#endif
     std::memcpy(dst, src, p.row_elems * p.itemsize);
     return;
   }
@@ -407,11 +426,22 @@ StridedPlan plan_strided_copy(uintptr_t dst_base, uint64_t dst_nbytes, uint64_t 
     });
   }
   plan.outer = std::move(merged);
-  // Streaming stores need every tile's destination lines 32-byte aligned once the tile's
-  // base is: the lines' offsets and the outer steps multiples of 32 bytes.
+  // Streaming stores (copies larger than the caches) need every destination line 32-byte
+  // aligned once the first is: tiles' line offsets multiples of 32 bytes; rows of whole
+  // 32-byte units, from 64 bytes (shorter rows leave lines partly written) up to 64 KiB
+  // (longer ones are memcpy's, which streams large copies itself), whose outer steps are
+  // multiples of 32 bytes. Each tile or row checks its own destination's alignment.
+  const uint64_t row_bytes = plan.row_elems * plan.itemsize;
   plan.nt_ok = total >= (4u << 20) &&
-               std::all_of(plan.b_dst.begin(), plan.b_dst.end(),
-                           [&](uint64_t o) { return (o * plan.itemsize) % 32 == 0; });
+               (plan.row_elems
+                    ? row_bytes % 32 == 0 && row_bytes >= 64 && row_bytes <= (64u << 10) &&
+                          std::all_of(plan.outer.begin(), plan.outer.end(),
+                                      [&](const StridedDim& d) {
+                                        return (d.dst_stride * plan.itemsize) % 32 == 0;
+                                      })
+                    : std::all_of(plan.b_dst.begin(), plan.b_dst.end(), [&](uint64_t o) {
+                        return (o * plan.itemsize) % 32 == 0;
+                      }));
   return plan;
 }
 

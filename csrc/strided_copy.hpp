@@ -41,7 +41,7 @@ struct StridedPlan {
   std::vector<uint64_t> a_dst, a_src, b_dst, b_src;
   bool a_dst_unit = true;  // a_dst[i] == i
   bool b_src_unit = true;  // b_src[j] == j
-  bool nt_ok = false;      // destination large enough for streaming stores (tile mode)
+  bool nt_ok = false;      // streaming stores allowed (large copy, 32-byte destination lines)
 };
 
 StridedPlan plan_strided_copy(uintptr_t dst_base, uint64_t dst_nbytes, uint64_t dst_offset,

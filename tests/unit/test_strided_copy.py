@@ -86,6 +86,41 @@ def test_two_byte_transposes_equal_torch(rows, cols, off, pitch, dtype):
     assert not bool(dst_base.view(torch.int16)[untouched].any())
 
 
+@pytest.mark.parametrize("row_bytes,pitch_bytes,off_bytes", [
+    (256, 2048, 0),    # a CPU engine's V plane: streaming stores
+    (256, 2048, 2),    # destination rows off 32-byte alignment: memcpy
+    (96, 160, 0),      # rows sharing destination lines, 32-byte aligned
+    (64, 96, 0),       # the shortest streamed row; a pitch of 96 B leaves lines half written
+    (48, 64, 0),       # not whole 32-byte units: memcpy
+    (80 << 10, 96 << 10, 0),  # rows above 64 KiB: memcpy
+])
+@pytest.mark.parametrize("to_rows", [False, True])
+def test_row_copies_at_and_above_4_mib_equal_torch(row_bytes, pitch_bytes, off_bytes, to_rows):
+    """Row copies of 4 MiB or more (streaming stores where rows are whole 32-byte units on
+    32-byte-aligned destination lines), rows scattered to or gathered from a pitch; the
+    bytes between the destination's rows stay untouched."""
+    rows = max(2, (5 << 20) // row_bytes)
+    g = torch.Generator().manual_seed(row_bytes + pitch_bytes + off_bytes + to_rows)
+    n, p, o = row_bytes // 2, pitch_bytes // 2, off_bytes // 2
+    packed = torch.randint(-2**15, 2**15 - 1, (rows * n,), generator=g,
+                           dtype=torch.int16).view(rows, n)
+    spread_base = torch.zeros(rows * p + o + n, dtype=torch.int16)
+    spread = spread_base[o:o + rows * p].view(rows, p)[:, :n]
+    if to_rows:  # pitched rows -> packed rows (the destination contiguous)
+        spread.copy_(packed)
+        dst_base = torch.zeros(rows * n + o, dtype=torch.int16)
+        dst = dst_base[o:].view(rows, n)
+        copy_view(dst, spread)
+        assert torch.equal(dst, packed)
+        assert not bool(dst_base[:o].any())
+    else:  # packed rows -> pitched rows
+        copy_view(spread, packed)
+        assert torch.equal(spread, packed)
+        untouched = torch.ones_like(spread_base, dtype=torch.bool)
+        untouched[o:o + rows * p].view(rows, p)[:, :n] = False
+        assert not bool(spread_base[untouched].any())
+
+
 def _call(dst, src, *, sizes, dstr, sstr, doff=0, soff=0, dn=None, sn=None, isz=None):
     dn = dst.numel() * dst.element_size() if dn is None else dn
     sn = src.numel() * src.element_size() if sn is None else sn
