@@ -147,6 +147,22 @@ def memcpy(dst: int, src: int, n: int) -> None:
     ranges belong to live buffers (and ``dst`` to a writable one).
     """
 
+def index_rows(dst: int, dst_nbytes: int, dst_offset: int, src: int, src_nbytes: int,
+               src_offset: int, idx: int, idx_nbytes: int, idx_offset: int, idx_itemsize: int,
+               n_idx: int, outer: int, rows: int, row_bytes: int) -> None:
+    """``dst[o][i] = src[o][index[i]]``: a row gather (``index_select`` of a contiguous tensor).
+
+    ``src`` is ``[outer, rows, row_bytes]`` and ``dst`` ``[outer, n_idx, row_bytes]`` bytes,
+    both C-order from ``*_offset`` bytes into buffers of ``*_nbytes`` at ``dst`` / ``src``;
+    the index is ``n_idx`` integers of ``idx_itemsize`` (4 or 8) bytes at ``idx +
+    idx_offset``. Consecutive indices are copied as one run, on the copy pool with the GIL
+    released.
+
+    Raises:
+        ValueError: An index outside ``[0, rows)``, a span outside its buffer, overlapping
+            buffers, or another itemsize (before any byte moves).
+    """
+
 def set_threads(n: int) -> None:
     """Copy threads including the caller, 1..MAX_THREADS (ValueError otherwise)."""
 
