@@ -628,6 +628,7 @@ PYBIND11_MODULE(_native, m) {
     d["file_writes_disabled"] = g_file_writes_disabled.load() ? 1 : 0;
     d["uffd_fill_bytes"] = g_stat_uffd_bytes.load();
     d["uffd_unavailable"] = uffd_unavailable() ? 1 : 0;
+    d["staged_box_bytes"] = staged_box_bytes();
     return d;
   });
   m.def("set_cold_uffd", &set_uffd_enabled, "enabled"_a,
@@ -643,6 +644,9 @@ PYBIND11_MODULE(_native, m) {
         "err"_a,
         "Testing only: every UFFDIO_COPY places half of its pages, then fails with errno "
         "`err` (0: off).");
+  m.def("_set_box_staging_fault", &set_box_staging_fault, "on"_a,
+        "Testing only: strided copies get no staging buffer for their boxes (their tiles "
+        "then run in place).");
   m.def("_set_file_write_fault",
         [](int err) {
           if (err < 0) throw py::value_error("errno must be >= 0");

@@ -210,8 +210,9 @@ def copy_stats() -> dict[str, int]:
     Keys: ``file_write_bytes``, ``cold_mapped_bytes``, ``cold_regions``,
     ``file_write_fallbacks`` (scatters redone through the mapping after a refused write),
     ``file_writes_disabled`` (1 once a write failed other than with ENOSPC/EDQUOT),
-    ``uffd_fill_bytes`` (placed with ``UFFDIO_COPY``) and ``uffd_unavailable`` (1 when
-    userfaultfd could not be used in this process).
+    ``uffd_fill_bytes`` (placed with ``UFFDIO_COPY``), ``uffd_unavailable`` (1 when
+    userfaultfd could not be used in this process) and ``staged_box_bytes`` (strided
+    copies moved through per-thread staging boxes, ``csrc/strided_copy.cpp``).
     """
 
 def set_cold_uffd(enabled: bool) -> None:
@@ -228,6 +229,9 @@ def set_cold_uffd(enabled: bool) -> None:
 def get_cold_uffd() -> bool: ...
 def _set_uffd_fault(err: int) -> None:
     """Testing only: every ``UFFDIO_COPY`` places half its pages, then fails with ``err``."""
+
+def _set_box_staging_fault(on: bool) -> None:
+    """Testing only: strided copies get no staging buffer for their boxes."""
 
 def _set_file_write_fault(err: int) -> None:
     """Testing only: every ``pwritev`` of a cold scatter fails with errno ``err`` (0: off)."""
