@@ -8,6 +8,7 @@
 
 #include <algorithm>
 #include <atomic>
+#include <cstdlib>
 #include <cstring>
 
 #include "thread_pool.hpp"
@@ -38,17 +39,36 @@ constexpr size_t kCachedPiece = 256 << 10;
 // The hardware prefetchers stop at page boundaries, so one linear stream per core leaves
 // memory idle at every page change; several streams a page apart keep more misses in
 // flight (glibc's large-copy path interleaves 4 pages for the same reason). Measured
-// (benches/bench_copy.py --kernels-only, 2-core VM, 512 MiB in 512 KiB runs, 4 KiB pages):
-// 2 threads 33-37 -> 26-29 ms (1 page = linear; one thread in a standalone loop 64 -> 49
-// ms); 4 and 16 pages within noise of 8. Strided rows (tensor-parallel shards, < 32 KiB)
-// stay linear: a row-interleaved variant was within noise.
+// (benches/bench_copy.py --kernels-only, 2-core VMs, 512 MiB in 512 KiB runs, 4 KiB pages):
+// Intel (Sapphire Rapids): 2 threads 33-37 -> 26-29 ms (1 page = linear; one thread in a
+// standalone loop 64 -> 49 ms); 4 and 16 pages within noise of 8. AMD EPYC (2026-12-02):
+// the other way round and by far, 8 pages 60 ms against 30 ms linear (memcpy), scatter
+// 65 vs 31 ms, gather 87 vs 32 ms; 4 pages as slow as 8 (interleaved non-temporal
+// streams outrun the core's write-combining buffers there). So AMD CPUs walk linearly,
+// others 8 pages; LMCACHE_KV_FAST_STREAM_INTERLEAVE=n (1..64) overrides. Strided rows
+// (tensor-parallel shards, < 32 KiB) stay linear: a row-interleaved variant was within
+// noise.
 constexpr int kDefaultInterleavePages = 8;
+constexpr int kAmdInterleavePages = 1;
 constexpr size_t kPage = 4096;
 constexpr size_t kInterleaveStep = 128;
 
+int default_interleave_pages() {
+  if (const char* env = std::getenv("LMCACHE_KV_FAST_STREAM_INTERLEAVE")) {
+    char* end = nullptr;
+    const long v = std::strtol(env, &end, 10);
+    if (end != env && *end == '\0' && v >= 1 && v <= 64) return static_cast<int>(v);
+  }
+#ifdef LMCKV_X86
+  __builtin_cpu_init();
+  if (__builtin_cpu_is("amd")) return kAmdInterleavePages;
+#endif
+  return kDefaultInterleavePages;
+}
+
 std::atomic<int> g_kernel{static_cast<int>(Kernel::kAuto)};
 std::atomic<uint64_t> g_stream_threshold{kDefaultStreamThreshold};
-std::atomic<int> g_interleave_pages{kDefaultInterleavePages};
+std::atomic<int> g_interleave_pages{default_interleave_pages()};
 
 using StreamFn = void (*)(char*, const char*, size_t);
 

@@ -24,6 +24,7 @@
 #include "kv_copy.hpp"
 #include "result_buffer.hpp"
 #include "shm_mapping.hpp"
+#include "index_rows.hpp"
 #include "strided_copy.hpp"
 #include "thread_pool.hpp"
 #include "uffd_fill.hpp"
@@ -559,6 +560,39 @@ PYBIND11_MODULE(_native, m) {
       "(same sizes; element strides/offsets); every element of both views is checked to lie "
       "in its buffer [addr, addr + nbytes), and the buffers must not overlap.");
 
+  m.def(
+      "index_rows",
+      [](py::handle dst, py::handle dst_nbytes, py::handle dst_offset, py::handle src,
+         py::handle src_nbytes, py::handle src_offset, py::handle idx, py::handle idx_nbytes,
+         py::handle idx_offset, py::handle idx_itemsize, py::handle n_idx, py::handle outer,
+         py::handle rows, py::handle row_bytes) {
+        IndexRowsArgs a;
+        a.dst = field(dst, "dst");
+        a.dst_nbytes = field(dst_nbytes, "dst_nbytes");
+        a.dst_offset = field(dst_offset, "dst_offset");
+        a.src = field(src, "src");
+        a.src_nbytes = field(src_nbytes, "src_nbytes");
+        a.src_offset = field(src_offset, "src_offset");
+        a.idx = field(idx, "idx");
+        a.idx_nbytes = field(idx_nbytes, "idx_nbytes");
+        a.idx_offset = field(idx_offset, "idx_offset");
+        a.idx_itemsize = field(idx_itemsize, "idx_itemsize");
+        a.n_idx = field(n_idx, "n_idx");
+        a.outer = field(outer, "outer");
+        a.rows = field(rows, "rows");
+        a.row_bytes = field(row_bytes, "row_bytes");
+        const CopyPlan plan = plan_index_rows(a);
+        py::gil_scoped_release nogil;
+        plan.execute();
+      },
+      "dst"_a, "dst_nbytes"_a, "dst_offset"_a, "src"_a, "src_nbytes"_a, "src_offset"_a,
+      "idx"_a, "idx_nbytes"_a, "idx_offset"_a, "idx_itemsize"_a, "n_idx"_a, "outer"_a,
+      "rows"_a, "row_bytes"_a,
+      "dst[o][i] = src[o][index[i]] for [outer, rows, row_bytes] src and [outer, n_idx, "
+      "row_bytes] dst (byte offsets into buffers of *_nbytes); every index must lie in "
+      "[0, rows), every span in its buffer, and the buffers must not overlap (ValueError, "
+      "before any byte moves).");
+
   m.def("set_threads", &set_threads, "n"_a);
   m.def("get_threads", &get_threads);
   m.def("set_parallel_threshold",
@@ -594,6 +628,7 @@ PYBIND11_MODULE(_native, m) {
     d["file_writes_disabled"] = g_file_writes_disabled.load() ? 1 : 0;
     d["uffd_fill_bytes"] = g_stat_uffd_bytes.load();
     d["uffd_unavailable"] = uffd_unavailable() ? 1 : 0;
+    d["staged_box_bytes"] = staged_box_bytes();
     return d;
   });
   m.def("set_cold_uffd", &set_uffd_enabled, "enabled"_a,
@@ -609,6 +644,9 @@ PYBIND11_MODULE(_native, m) {
         "err"_a,
         "Testing only: every UFFDIO_COPY places half of its pages, then fails with errno "
         "`err` (0: off).");
+  m.def("_set_box_staging_fault", &set_box_staging_fault, "on"_a,
+        "Testing only: strided copies get no staging buffer for their boxes (their tiles "
+        "then run in place).");
   m.def("_set_file_write_fault",
         [](int err) {
           if (err < 0) throw py::value_error("errno must be >= 0");

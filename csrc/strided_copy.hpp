@@ -42,6 +42,11 @@ struct StridedPlan {
   bool a_dst_unit = true;  // a_dst[i] == i
   bool b_src_unit = true;  // b_src[j] == j
   bool nt_ok = false;      // streaming stores allowed (large copy, 32-byte destination lines)
+  // Staged boxes (tile mode): the innermost `box_outer` outer dimensions and the tile
+  // together cover `box_bytes` contiguous on BOTH sides; each box is read whole into a
+  // per-thread buffer, transposed there and written whole (0: no boxes).
+  uint64_t box_outer = 0;
+  uint64_t box_bytes = 0;
 };
 
 StridedPlan plan_strided_copy(uintptr_t dst_base, uint64_t dst_nbytes, uint64_t dst_offset,
@@ -52,5 +57,10 @@ StridedPlan plan_strided_copy(uintptr_t dst_base, uint64_t dst_nbytes, uint64_t 
 
 // Run the plan on the copy pool (or the calling thread). Call WITHOUT the GIL.
 void execute_strided_copy(const StridedPlan& plan);
+
+// Testing only: staging buffers for boxes cannot be had (the boxes' tiles run in place).
+void set_box_staging_fault(bool on);
+// Bytes copied through staged boxes since the process started (copy_stats()).
+uint64_t staged_box_bytes();
 
 }  // namespace lmckv

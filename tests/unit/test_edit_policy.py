@@ -92,7 +92,7 @@ def test_pooled_outputs_equal_plain_call(name):
         got = EDITS[name](kv)
     assert _same(got, want), name
     assert torch.equal(kv.view(torch.int16), _kv().view(torch.int16))  # input untouched
-    if name in ("index_select", "cat", "clone", "to_float", "mul_scalar", "float_mul_back",
+    if name in ("index_select", "advanced_index", "cat", "clone", "to_float", "mul_scalar", "float_mul_back",
                 "contiguous_of_permuted", "roll", "pad", "stack", "where", "gather",
                 "sub_same_shape", "maximum", "where_two_tensors", "cat_mixed_dtypes",
                 "add_broadcast"):

@@ -311,6 +311,32 @@ def test_threads_default_from_env() -> None:
     assert int(out.stdout.strip()) == len(os.sched_getaffinity(0))
 
 
+def test_stream_interleave_default_by_cpu_vendor_and_from_env() -> None:
+    """AMD CPUs stream linearly, others walk 8 pages (csrc/copy_kernels.cpp); the
+    environment overrides, and a value outside 1..64 or not a number is ignored."""
+    code = ("import importlib.util as u, sys; s = u.spec_from_file_location('_native', "
+            "sys.argv[1]); m = u.module_from_spec(s); s.loader.exec_module(m); "
+            "print(m.get_stream_interleave())")
+    with open("/proc/cpuinfo") as f:
+        amd = "AuthenticAMD" in f.read()
+    default = "1" if amd else "8"
+
+    def run(value: str | None) -> str:
+        env = dict(os.environ)
+        env.pop("LMCACHE_KV_FAST_STREAM_INTERLEAVE", None)
+        if value is not None:
+            env["LMCACHE_KV_FAST_STREAM_INTERLEAVE"] = value
+        out = subprocess.run([sys.executable, "-c", code, _native.__file__], env=env,
+                             capture_output=True, text=True, timeout=60, check=True)
+        return out.stdout.strip()
+
+    assert run(None) == default
+    assert run("4") == "4"
+    assert run("64") == "64"
+    for bad in ("0", "65", "-2", "garbage", ""):
+        assert run(bad) == default, bad
+
+
 NASTY_SCRIPT = textwrap.dedent("""
     import os, sys, uuid
     from dataclasses import dataclass

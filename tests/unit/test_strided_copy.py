@@ -154,3 +154,82 @@ def test_refusals():
     with pytest.raises(ValueError, match="itemsize"):
         _call(a, b, sizes=[4], dstr=[1], sstr=[1], isz=0)
     _call(a, b, sizes=[0, 8], dstr=[1, 1], sstr=[1, 1])  # empty: nothing, no error
+
+
+def _engine_planes(kernel: str, dtype: torch.dtype, tokens: int):
+    from lmcache_kv_fast.layout.cpu_engine import CpuEngineKV
+
+    spec = CpuEngineKV(8, 8, 128, dtype, 128, kernel)
+    g = torch.Generator().manual_seed(tokens)
+    kv = torch.empty(2, 8, tokens, 1024, dtype=dtype)
+    kv.view(torch.int16 if dtype.itemsize == 2 else torch.int32).random_(generator=g)
+    return spec, kv
+
+
+@pytest.mark.parametrize("kernel,dtype", [("vec", torch.bfloat16), ("vec", torch.float32),
+                                          ("amx", torch.bfloat16)])
+@pytest.mark.parametrize("fault", [False, True])
+def test_staged_boxes_of_large_engine_planes_equal_torch(kernel, dtype, fault, monkeypatch):
+    """From 4 MiB, a CPU engine's K plane is transposed (layer, block) by (layer, block)
+    through per-thread staging buffers (both sides contiguous per box): both directions
+    equal torch's copy bit for bit, also when no staging buffer can be had (the tiles
+    then run in place)."""
+    import lmcache_kv_fast.copy.strided as strided
+    from lmcache_kv_fast import _native
+
+    spec, kv = _engine_planes(kernel, dtype, 1024)  # 32-64 MiB: planes of 16-32 MiB
+    with monkeypatch.context() as m:
+        m.setattr(strided, "copy_view", lambda d, s: d.copy_(s))
+        want_raw = spec.to_raw(kv)
+    staged = _native.copy_stats()["staged_box_bytes"]
+    _native._set_box_staging_fault(fault)
+    try:
+        raw = spec.to_raw(kv)
+        back = spec.to_tokens(raw)
+    finally:
+        _native._set_box_staging_fault(False)
+    moved = _native.copy_stats()["staged_box_bytes"] - staged
+    if fault:
+        assert moved == 0
+    else:  # at least both K planes went through boxes
+        assert moved >= kv.numel() * kv.element_size()
+    assert torch.equal(raw.view(torch.uint8), want_raw.view(torch.uint8))
+    assert torch.equal(back.view(torch.uint8), kv.view(torch.uint8))
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_large_dense_permutations_equal_torch(seed):
+    """Permutations of dense 4-16 MiB tensors (boxes wherever the tile and the innermost
+    outer dimensions cover a contiguous range on both sides) equal torch's copy."""
+    rng = random.Random(seed)
+    shape = [rng.choice([8, 16, 32, 64]) for _ in range(4)]
+    while torch.Size(shape).numel() * 2 < (4 << 20):
+        shape[rng.randrange(4)] *= 2
+    perm = list(range(4))
+    rng.shuffle(perm)
+    g = torch.Generator().manual_seed(seed)
+    src = torch.randint(-2**15, 2**15 - 1, shape, generator=g, dtype=torch.int16)
+    src_view = src.permute(*perm)
+    dst = torch.empty(src_view.shape, dtype=torch.int16)
+    copy_view(dst, src_view)
+    assert torch.equal(dst, src_view.contiguous())
+
+
+def test_staged_tiles_can_be_turned_off_by_the_environment():
+    """LMCACHE_KV_FAST_STAGED_TILES=0: the same bytes, no box staged."""
+    import os
+    import subprocess
+    import sys
+
+    code = ("import torch; from lmcache_kv_fast import _native; "
+            "from lmcache_kv_fast.layout.cpu_engine import CpuEngineKV; "
+            "spec = CpuEngineKV(8, 8, 128, torch.bfloat16, 128, 'vec'); "
+            "kv = torch.arange(2 * 8 * 512 * 1024, dtype=torch.int32).to(torch.int16)"
+            ".view(torch.bfloat16).view(2, 8, 512, 1024); "
+            "assert torch.equal(spec.to_tokens(spec.to_raw(kv)).view(torch.int16), "
+            "kv.view(torch.int16)); print(_native.copy_stats()['staged_box_bytes'])")
+    for value, staged in (("0", False), ("1", True)):
+        env = dict(os.environ, LMCACHE_KV_FAST_STAGED_TILES=value)
+        out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True,
+                             text=True, timeout=120, check=True)
+        assert (int(out.stdout.strip()) > 0) is staged, (value, out.stdout)
