@@ -657,17 +657,7 @@ void execute_strided_copy(const StridedPlan& p) {
     }
     for (uint64_t it = lo; it < hi; ++it) {
       inner(p.dst + doff * isz, p.src + soff * isz, p);
-      for (size_t k = nd; k-- > 0;) {  // odometer step
-        const StridedDim& d = p.outer[k];
-        if (++idx[k] < d.size) {
-          doff += d.dst_stride;
-          soff += d.src_stride;
-          break;
-        }
-        idx[k] = 0;
-        doff -= (d.size - 1) * d.dst_stride;
-        soff -= (d.size - 1) * d.src_stride;
-      }
+      odometer_step(p.outer, 0, nd, idx, doff, soff);
     }
 #if defined(__SSE2__)
     _mm_sfence();  // streaming stores of the tiles are visible before the task counts done
