@@ -118,3 +118,19 @@ def test_edit_cpu_counts_the_cheaper_form_of_the_edit_per_stream():
     assert 0 < cpu < 30 and math.isfinite(cpu)
     assert len(calls) == 3 * 3  # plain, untimed pooled, timed pooled per stream
     assert math.isnan(edit_cpu(_KVSource(None), streams, "", fn, "kv"))
+
+
+def test_peak_rss_since_a_snapshot_counts_memory_made_ready_before_the_block():
+    """W6 measures the modify's memory from before the prefill: what an SDK allocates
+    during the prefill for the modify (its prepared result buffers) counts."""
+    from lmcache_kv_fast.testing.bench.w6_worker import PeakRss, rss_snapshot
+
+    snap = rss_snapshot()
+    ready = b"\x01" * (64 << 20)  # written: resident, private
+    with PeakRss(snap) as since:
+        pass
+    with PeakRss() as plain:
+        pass
+    assert since.private >= 60 << 20 and since.growth >= 60 << 20
+    assert plain.private < 16 << 20
+    assert len(ready) == 64 << 20
