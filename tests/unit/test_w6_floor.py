@@ -132,5 +132,21 @@ def test_peak_rss_since_a_snapshot_counts_memory_made_ready_before_the_block():
     with PeakRss() as plain:
         pass
     assert since.private >= 60 << 20 and since.growth >= 60 << 20
-    assert plain.private < 16 << 20
+    assert plain.private < 16 << 20 and plain.growth < 16 << 20
     assert len(ready) == 64 << 20
+
+
+def test_peak_rss_since_a_snapshot_leaves_out_shared_pages_mapped_before_the_block(tmp_path):
+    """A pool mapping populated during the prefill is the server's memory: not counted."""
+    import mmap
+
+    from lmcache_kv_fast.testing.bench.w6_worker import PeakRss, rss_snapshot
+
+    path = tmp_path / "shared"
+    path.write_bytes(b"\x02" * (64 << 20))
+    snap = rss_snapshot()
+    with open(path, "r+b") as f, mmap.mmap(f.fileno(), 0, mmap.MAP_SHARED) as m:
+        assert sum(m[i] for i in range(0, len(m), 4096)) == 2 * (64 << 20) // 4096  # mapped
+        with PeakRss(snap) as since:
+            pass
+    assert since.growth < 16 << 20 and since.private < 16 << 20

@@ -50,12 +50,12 @@ class PeakRss:
     """Peak RSS growth of a block, in bytes: all of it and its private part.
 
     ``growth``: peak RSS (``VmHWM``, reset through ``clear_refs``; sampled ``VmRSS`` where
-    that cannot be written) minus RSS at the start, or at ``since`` (a
-    :func:`rss_snapshot` taken earlier: what was added since then counts too). It
-    includes the pages of the server's SHM pool the process touched (``RssShmem``: the
-    server's memory, mapped by both SDKs, not new memory of the machine). ``private``:
-    peak of the private part (``RssAnon``, sampled every millisecond) minus its start
-    (or ``since``) value.
+    that cannot be written) minus RSS at the start. It includes the pages of the server's
+    SHM pool the process touched (``RssShmem``: the server's memory, mapped by both SDKs,
+    not new memory of the machine). ``private``: peak of the private part (``RssAnon``,
+    sampled every millisecond) minus its start value. With ``since`` (a
+    :func:`rss_snapshot` taken earlier), the private memory added between then and the
+    start counts in both; shared pages mapped meanwhile do not.
     """
 
     def __init__(self, since: tuple[int, int] | None = None) -> None:
@@ -70,7 +70,12 @@ class PeakRss:
     def __enter__(self) -> PeakRss:
         rss, anon = rss_snapshot()
         self._peak, self._peak_anon = rss, anon
-        self.base, self.base_anon = self.since if self.since is not None else (rss, anon)
+        self.base, self.base_anon = rss, anon
+        if self.since is not None:
+            # the private memory added since then counts; shared pages mapped since then
+            # (a pool mapping populated in the background: the server's memory) do not
+            self.base_anon = self.since[1]
+            self.base = rss - max(0, anon - self.since[1])
         try:
             with open("/proc/self/clear_refs", "w") as f:
                 f.write("5")
