@@ -630,6 +630,7 @@ PYBIND11_MODULE(_native, m) {
     d["uffd_fill_bytes"] = g_stat_uffd_bytes.load();
     d["uffd_unavailable"] = uffd_unavailable() ? 1 : 0;
     d["staged_box_bytes"] = staged_box_bytes();
+    d["staged_box_direct_bytes"] = staged_box_direct_bytes();
     return d;
   });
   m.def("set_cold_uffd", &set_uffd_enabled, "enabled"_a,

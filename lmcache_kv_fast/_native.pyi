@@ -211,8 +211,10 @@ def copy_stats() -> dict[str, int]:
     ``file_write_fallbacks`` (scatters redone through the mapping after a refused write),
     ``file_writes_disabled`` (1 once a write failed other than with ENOSPC/EDQUOT),
     ``uffd_fill_bytes`` (placed with ``UFFDIO_COPY``), ``uffd_unavailable`` (1 when
-    userfaultfd could not be used in this process) and ``staged_box_bytes`` (strided
-    copies moved through per-thread staging boxes, ``csrc/strided_copy.cpp``).
+    userfaultfd could not be used in this process), ``staged_box_bytes`` (strided
+    copies moved through per-thread staging boxes, ``csrc/strided_copy.cpp``) and
+    ``staged_box_direct_bytes`` (of those, the ones whose 32 x 32 tiles were streamed
+    from the staged source straight to the destination).
     """
 
 def set_cold_uffd(enabled: bool) -> None:
