@@ -410,7 +410,8 @@ std::unique_ptr<ResultBuffer> make_buffer(py::handle nbytes, const std::string& 
 py::dict pool_stats() {
   const ResultPoolStats s = result_pool_stats();
   return py::dict("limit"_a = s.limit, "pooled_bytes"_a = s.pooled_bytes, "entries"_a = s.entries,
-                  "hits"_a = s.hits, "misses"_a = s.misses, "evictions"_a = s.evictions);
+                  "hits"_a = s.hits, "misses"_a = s.misses, "evictions"_a = s.evictions,
+                  "reserved"_a = s.reserved);
 }
 
 py::dict config() {
@@ -629,6 +630,7 @@ PYBIND11_MODULE(_native, m) {
     d["uffd_fill_bytes"] = g_stat_uffd_bytes.load();
     d["uffd_unavailable"] = uffd_unavailable() ? 1 : 0;
     d["staged_box_bytes"] = staged_box_bytes();
+    d["staged_box_direct_bytes"] = staged_box_direct_bytes();
     return d;
   });
   m.def("set_cold_uffd", &set_uffd_enabled, "enabled"_a,
@@ -661,5 +663,16 @@ PYBIND11_MODULE(_native, m) {
   m.def("set_result_pool_limit",
         [](py::handle n) { set_result_pool_limit(field(n, "limit")); }, "nbytes"_a);
   m.def("result_pool_trim", &result_pool_trim);
+  m.def(
+      "result_pool_reserve",
+      [](py::handle nbytes, py::handle count) {
+        const uint64_t n = field(nbytes, "nbytes");
+        const uint64_t c = field(count, "count");
+        if (n > (1ull << 46)) throw py::value_error("result_pool_reserve: nbytes too large");
+        if (c > 4096) throw py::value_error("result_pool_reserve: count above 4096");
+        py::gil_scoped_release nogil;
+        return result_pool_reserve(n, c);
+      },
+      "nbytes"_a, "count"_a);
   m.def("validate_segment_name", &validate_segment_name, "name"_a);
 }

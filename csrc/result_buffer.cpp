@@ -77,6 +77,7 @@ struct Pool {
   uint64_t hits = 0;
   uint64_t misses = 0;
   uint64_t evictions = 0;
+  uint64_t reserved = 0;
 };
 
 NoDestructor<Pool> g_pool;
@@ -225,8 +226,40 @@ ResultBuffer::~ResultBuffer() {
 
 ResultPoolStats result_pool_stats() {
   std::lock_guard<std::mutex> lk(g_pool->mu);
-  return ResultPoolStats{g_pool->limit, g_pool->pooled, g_pool->free.size(),
-                         g_pool->hits,  g_pool->misses, g_pool->evictions};
+  return ResultPoolStats{g_pool->limit, g_pool->pooled,    g_pool->free.size(), g_pool->hits,
+                         g_pool->misses, g_pool->evictions, g_pool->reserved};
+}
+
+uint64_t result_pool_reserve(uint64_t nbytes, uint64_t count) {
+  if (nbytes == 0 || count == 0) return 0;
+  const size_t cap = capacity_class(static_cast<size_t>(nbytes));
+  uint64_t missing = 0;
+  {
+    std::lock_guard<std::mutex> lk(g_pool->mu);
+    uint64_t have = 0;
+    for (const AnonRegion& r : g_pool->free) {
+      if (r.size() >= cap && r.size() / 2 <= cap) ++have;  // what take(cap) would accept
+    }
+    const uint64_t room = g_pool->limit / cap;  // never more than the limit holds
+    const uint64_t want = std::min<uint64_t>(count, room);
+    missing = want > have ? want - have : 0;
+  }
+  uint64_t mapped = 0;
+  for (; mapped < missing; ++mapped) {
+    AnonRegion r;
+    try {
+      r = AnonRegion::map(cap, huge_results());
+    } catch (const std::bad_alloc&) {
+      break;  // the kernel refused: the results will map their own later (or fail then)
+    }
+    madvise(r.data(), r.size(), MADV_POPULATE_WRITE);  // advisory: faults later if refused
+    {
+      std::lock_guard<std::mutex> lk(g_pool->mu);
+      ++g_pool->reserved;
+    }
+    give_back(std::move(r));
+  }
+  return mapped;
 }
 
 void set_result_pool_limit(uint64_t nbytes) {

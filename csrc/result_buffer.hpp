@@ -74,10 +74,17 @@ struct ResultPoolStats {
   uint64_t hits;
   uint64_t misses;
   uint64_t evictions;
+  uint64_t reserved;  // buffers mapped ahead by result_pool_reserve
 };
 
 ResultPoolStats result_pool_stats();
 void set_result_pool_limit(uint64_t nbytes);  // evicts down to the new limit
+// Ahead of a known batch of results: make the pool hold `count` free buffers that can
+// serve a result of `nbytes` (the class capacity, every page populated on the calling
+// thread, not the copy threads: it runs in the background while the caller waits for
+// something else). Existing fitting buffers count; never beyond the pool limit. Call
+// without the GIL. Returns the number of buffers mapped.
+uint64_t result_pool_reserve(uint64_t nbytes, uint64_t count);
 void result_pool_trim();                      // unmap every pooled buffer
 
 void result_pool_atfork_prepare();

@@ -62,5 +62,7 @@ void execute_strided_copy(const StridedPlan& plan);
 void set_box_staging_fault(bool on);
 // Bytes copied through staged boxes since the process started (copy_stats()).
 uint64_t staged_box_bytes();
+// Of those, bytes whose tiles went straight from the staged source to the destination.
+uint64_t staged_box_direct_bytes();
 
 }  // namespace lmckv

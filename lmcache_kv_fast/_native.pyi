@@ -211,8 +211,10 @@ def copy_stats() -> dict[str, int]:
     ``file_write_fallbacks`` (scatters redone through the mapping after a refused write),
     ``file_writes_disabled`` (1 once a write failed other than with ENOSPC/EDQUOT),
     ``uffd_fill_bytes`` (placed with ``UFFDIO_COPY``), ``uffd_unavailable`` (1 when
-    userfaultfd could not be used in this process) and ``staged_box_bytes`` (strided
-    copies moved through per-thread staging boxes, ``csrc/strided_copy.cpp``).
+    userfaultfd could not be used in this process), ``staged_box_bytes`` (strided
+    copies moved through per-thread staging boxes, ``csrc/strided_copy.cpp``) and
+    ``staged_box_direct_bytes`` (of those, the ones whose 32 x 32 tiles were streamed
+    from the staged source straight to the destination).
     """
 
 def set_cold_uffd(enabled: bool) -> None:
@@ -240,7 +242,7 @@ def config() -> dict[str, Any]:
     """Threads, thresholds, kernel, streaming ISA and usable CPUs."""
 
 def result_pool_stats() -> dict[str, int]:
-    """limit, pooled_bytes, entries, hits, misses, evictions."""
+    """limit, pooled_bytes, entries, hits, misses, evictions, reserved."""
 
 def set_result_pool_limit(nbytes: int) -> None:
     """Bound idle pooled bytes and evict down to it.
@@ -250,6 +252,15 @@ def set_result_pool_limit(nbytes: int) -> None:
 
 def result_pool_trim() -> None:
     """Unmap every idle pooled buffer."""
+
+def result_pool_reserve(nbytes: int, count: int) -> int:
+    """Make the pool hold ``count`` idle buffers that serve a result of ``nbytes``.
+
+    Buffers already pooled that would serve it count; never beyond the pool's limit.
+    New ones are mapped and every page populated on the calling thread (releases the
+    GIL). Returns how many were mapped. ValueError: ``nbytes`` above 2**46 or ``count``
+    above 4096.
+    """
 
 def validate_segment_name(name: str) -> str:
     """Return the bare name or raise ValueError."""

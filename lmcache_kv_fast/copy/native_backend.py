@@ -284,6 +284,29 @@ def alloc_result(shape: Sequence[int], dtype: torch.dtype) -> torch.Tensor:
     return torch.frombuffer(buf, dtype=dtype, count=count).view(dims)
 
 
+def reserve_results(nbytes: int, count: int) -> int:
+    """Have ``count`` result buffers for ``nbytes``-byte results mapped and faulted ahead.
+
+    For a caller that knows its next results' size while it waits for something else
+    (a batched stream during the engine's prefill, before a modify): the buffers go into
+    the result pool, so the results that follow (:func:`alloc_result`) take no page
+    fault. Idle buffers already pooled that fit count; never beyond the pool's limit.
+    Runs on the calling thread without the GIL. Results under
+    ``MIN_POOLED_RESULT_BYTES`` are not pooled: nothing is reserved for them.
+
+    Returns:
+        Buffers mapped.
+
+    Raises:
+        ValueError: ``nbytes`` or ``count`` negative or too large.
+    """
+    if nbytes < 0 or count < 0:
+        raise ValueError(f"reserve_results: expected nbytes, count >= 0, got {nbytes}, {count}")
+    if nbytes < MIN_POOLED_RESULT_BYTES or count == 0:
+        return 0
+    return int(_native.result_pool_reserve(int(nbytes), int(count)))
+
+
 def set_threads(n: int) -> None:
     """Set the number of copy threads (including the calling thread).
 

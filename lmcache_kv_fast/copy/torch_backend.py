@@ -170,6 +170,17 @@ def alloc_result(shape: Sequence[int], dtype: torch.dtype) -> torch.Tensor:
     return torch.empty(tuple(shape), dtype=dtype)
 
 
+def reserve_results(nbytes: int, count: int) -> int:
+    """Nothing to reserve (torch allocates every result afresh); checks the arguments.
+
+    Raises:
+        ValueError: ``nbytes`` or ``count`` negative.
+    """
+    if nbytes < 0 or count < 0:
+        raise ValueError(f"reserve_results: expected nbytes, count >= 0, got {nbytes}, {count}")
+    return 0
+
+
 def set_threads(n: int) -> None:
     """Check ``n`` like the native backend does; otherwise a no-op (torch's own threads).
 

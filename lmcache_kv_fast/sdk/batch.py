@@ -20,7 +20,9 @@ Differences from 0.5.6 (docs/sdk.md):
   (both that and ``ServerUnavailableError``), every stream listed;
 * reports aggregate TTFT and TPOT (mean, p50, p90), count only the selected streams, and
   the modify report says what was read, edited, stored and waited for;
-* a progress bar on long phases (``progress=None``: on a terminal, from 8 streams).
+* a progress bar on long phases (``progress=None``: on a terminal, from 8 streams);
+* while the engine prefills, the buffers the next modify will read and edit into are
+  mapped and faulted in the background (``prepare_modify``; :mod:`~.prepare`).
 """
 
 from __future__ import annotations
@@ -40,6 +42,7 @@ from lmcache_kv_fast.errors import (
 from lmcache_kv_fast.sdk.context import ModifyFnType
 from lmcache_kv_fast.sdk.metrics import Metrics, StreamHandler, get_formatter
 from lmcache_kv_fast.sdk.modify import ModifyOutcome, default_max_in_flight, modify_streams
+from lmcache_kv_fast.sdk.prepare import ModifyPreparation
 from lmcache_kv_fast.sdk.progress import Progress, want_progress
 from lmcache_kv_fast.sdk.request import LMCacheRequestStream, StreamPerfMetrics
 
@@ -115,6 +118,9 @@ class LMCacheBatchedStream:
             modify (memory bound; default: the cores this process may run on, 2 to 4,
             ``sdk.modify.default_max_in_flight``).
         progress: Progress bar on long phases (None: on a terminal, from 8 streams).
+        prepare_modify: During :meth:`prefill`, map and fault the result buffers the
+            next modify will use, on a background thread joined before the prefill
+            returns (``sdk/prepare.py``; the memory the modify would take anyway).
 
     Attributes:
         request_streams: The member streams by id.
@@ -123,8 +129,8 @@ class LMCacheBatchedStream:
     """
 
     def __init__(self, *, max_concurrency: int | None = None,
-                 max_in_flight: int | None = None, progress: bool | None = None
-                 ) -> None:
+                 max_in_flight: int | None = None, progress: bool | None = None,
+                 prepare_modify: bool = True) -> None:
         for name, v in (("max_concurrency", max_concurrency), ("max_in_flight", max_in_flight)):
             if v is not None and (type(v) is not int or v < 1):
                 raise InvalidArgumentError(f"{name} must be a positive int, got {v!r}")
@@ -134,6 +140,7 @@ class LMCacheBatchedStream:
         self.max_concurrency = max_concurrency
         self.max_in_flight = default_max_in_flight() if max_in_flight is None else max_in_flight
         self.progress = progress
+        self.prepare_modify = bool(prepare_modify)
         self._skipped: list[str] = []
 
     # ------------------------------------------------------------------ membership
@@ -207,6 +214,10 @@ class LMCacheBatchedStream:
         workers = min(len(run), self.max_concurrency or DEFAULT_MAX_CONCURRENCY)
         bar = Progress(len(run), desc, want_progress(self.progress, len(run)))
         t0 = time.perf_counter()
+        prep = None
+        if desc == "prefill" and self.prepare_modify:
+            prep = ModifyPreparation([self.request_streams[s] for s in run],
+                                     self.max_in_flight)
         with cf.ThreadPoolExecutor(max_workers=workers,
                                    thread_name_prefix="lmcache-sdk-stream") as pool:
             futures = {pool.submit(self.request_streams[s].generate, sampling_params): s
@@ -221,6 +232,8 @@ class LMCacheBatchedStream:
                     bar.update()
             finally:
                 bar.close()
+                if prep is not None:
+                    prep.join()
         return time.perf_counter() - t0, {s: errors[s] for s in run if s in errors}
 
     def get_perf_metrics(self, duration: float, fmt: str, width: int, mode: str,

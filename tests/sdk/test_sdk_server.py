@@ -234,6 +234,46 @@ def test_batch_modify_bounded_every_error_reported(qserver, exporter):
         ctx.close()
 
 
+def test_prefill_prepares_the_modify_buffers(qserver, exporter):
+    """prefill() maps and faults the buffers the next modify reads and edits into (the
+    largest stream's KV, streams in flight + 1), joined before it returns; the modify
+    then takes them from the pool (no new mapping) and stores the right bytes."""
+    from lmcache_kv_fast import _native
+    from lmcache_kv_fast.sdk.prepare import modify_buffers
+
+    ctx = lmc_sdk.kvcache.connect(qserver.url, qserver.http_url, "qmodel")
+    try:
+        made = _streams([ctx], 3, 9 * CHUNK + 17, 400, salt="prep")  # 2.25 MiB of KV each
+        off = lmc_sdk.batch.LMCacheBatchedStream(max_in_flight=2, prepare_modify=False)
+        b = lmc_sdk.batch.LMCacheBatchedStream(max_in_flight=2)
+        for s, _ in made:
+            b.add(s)
+            off.add(s)
+        assert modify_buffers([s for s, _ in made], 2) == (2 * L * 9 * CHUNK * NH * HS * 2, 3)
+        _native.result_pool_trim()
+        r0 = _native.result_pool_stats()
+        off.prefill({})
+        assert _native.result_pool_stats()["reserved"] == r0["reserved"]
+        for s, _ in made:
+            s.done = False  # the hook yields no token: 0.5.6 calls such a stream done
+        b.prefill({})
+        r1 = _native.result_pool_stats()
+        assert r1["reserved"] - r0["reserved"] == 3 and r1["entries"] == 3
+        assert not [t for t in threading.enumerate() if "prepare-modify" in t.name]
+        b.modify(drop_every_10th)
+        r2 = _native.result_pool_stats()
+        assert r2["misses"] == r1["misses"]
+        assert r2["hits"] - r1["hits"] == 6  # 3 reads + 3 edits
+        for s, kv in made:
+            keep = [j for j in range(9 * CHUNK) if j % 10 != 9]
+            got = ctx.retrieve(s.tokens, cache_salt="prep")
+            assert got.shape[-2] == len(keep) // CHUNK * CHUNK
+            assert torch.equal(bits(got), bits(kv[:, :, keep][:, :, : got.shape[-2]]))
+    finally:
+        ctx.close()
+        _native.result_pool_trim()
+
+
 def test_modify_gets_query_tensors_too(qserver, exporter):
     kctx = lmc_sdk.kvcache.connect(qserver.url, qserver.http_url, "qmodel")
     qctx = lmc_sdk.qcache.connect(qserver.url, qserver.http_url, "qmodel")

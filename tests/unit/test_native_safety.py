@@ -12,6 +12,7 @@ from __future__ import annotations
 import gc
 import os
 import random
+import resource
 import subprocess
 import sys
 import textwrap
@@ -632,6 +633,64 @@ def test_results_of_nearby_sizes_share_pooled_buffers() -> None:
     finally:
         del read
         gc.collect()
+        _native.result_pool_trim()
+
+
+def _minflt() -> int:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+
+
+def test_reserved_results_are_faulted_ahead_and_served_from_the_pool() -> None:
+    """reserve_results maps and populates buffers that the next results take: no miss,
+    and writing every byte of them takes (almost) no page fault."""
+    _native.result_pool_trim()
+    try:
+        r0 = _native.result_pool_stats()
+        assert nb.reserve_results(8 << 20, 3) == 3
+        r1 = _native.result_pool_stats()
+        assert r1["reserved"] - r0["reserved"] == 3
+        assert r1["entries"] == 3 and r1["pooled_bytes"] == 3 * (8 << 20)
+        assert nb.reserve_results(8 << 20, 3) == 0  # already held: nothing more
+        assert nb.reserve_results(7 << 20, 2) == 0  # those serve a 7 MiB result too
+        f0 = _minflt()
+        ts = [nb.alloc_result((8 << 20,), torch.uint8) for _ in range(3)]
+        for k, t in enumerate(ts):
+            t.fill_(k + 1)
+        faults = _minflt() - f0
+        r2 = _native.result_pool_stats()
+        assert r2["misses"] == r1["misses"] and r2["hits"] - r1["hits"] == 3
+        assert faults < 3 * (8 << 20) // 4096 // 8, faults  # 6,144 pages written
+        assert [int(t[-1]) for t in ts] == [1, 2, 3]
+        del ts
+        gc.collect()
+    finally:
+        _native.result_pool_trim()
+
+
+def test_reserve_results_stays_within_the_pool_limit_and_checks_its_arguments() -> None:
+    old = _native.result_pool_stats()["limit"]
+    _native.result_pool_trim()
+    _native.set_result_pool_limit(20 << 20)
+    try:
+        assert nb.reserve_results(8 << 20, 5) == 2  # 20 MiB hold two 8 MiB buffers
+        assert _native.result_pool_stats()["pooled_bytes"] == 16 << 20
+        assert nb.reserve_results(1 << 20, 4) == 0  # not pooled: nothing to reserve
+        assert nb.reserve_results(64 << 20, 1) == 0  # above the limit
+        assert nb.reserve_results(8 << 20, 0) == 0
+        with pytest.raises(ValueError, match="nbytes, count >= 0"):
+            nb.reserve_results(-1, 1)
+        with pytest.raises(ValueError, match="count"):
+            _native.result_pool_reserve(8 << 20, 5000)
+        with pytest.raises(ValueError, match="too large"):
+            _native.result_pool_reserve(1 << 47, 1)
+        with pytest.raises(TypeError):
+            _native.result_pool_reserve("8", 1)
+        from lmcache_kv_fast.copy import torch_backend
+        assert torch_backend.reserve_results(8 << 20, 2) == 0
+        with pytest.raises(ValueError, match="nbytes, count >= 0"):
+            torch_backend.reserve_results(1, -1)
+    finally:
+        _native.set_result_pool_limit(old)
         _native.result_pool_trim()
 
 

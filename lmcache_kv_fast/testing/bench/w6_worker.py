@@ -7,10 +7,12 @@
 (``OpenAICompletions``) and the same edit (drop every n-th token), so the prefill and
 decode phases are the engine's time and the modify phase is the SDK's.
 
-The modify phase's memory is its peak RSS growth: the process's peak RSS (``VmHWM``,
-reset through ``/proc/self/clear_refs`` just before the phase, after a garbage
-collection) minus its RSS at that moment; a 2 ms sampler of ``VmRSS`` is the fallback
-where ``clear_refs`` cannot be written.
+The modify phase's memory is its peak RSS growth: the process's peak RSS during the phase
+(``VmHWM``, reset through ``/proc/self/clear_refs`` just before the phase) minus its RSS
+before the prefill (after a garbage collection), so memory an SDK makes ready for the
+modify while the engine prefills (this one's result buffers, ``sdk/prepare.py``) counts
+as the modify's; a 2 ms sampler of ``VmRSS`` is the fallback where ``clear_refs`` cannot
+be written.
 """
 
 from __future__ import annotations
@@ -38,17 +40,26 @@ def _status_kib(field: str) -> int:
     return 0
 
 
+def rss_snapshot() -> tuple[int, int]:
+    """``(VmRSS, RssAnon)`` in KiB now, after a garbage collection."""
+    gc.collect()
+    return _status_kib("VmRSS"), _status_kib("RssAnon")
+
+
 class PeakRss:
     """Peak RSS growth of a block, in bytes: all of it and its private part.
 
     ``growth``: peak RSS (``VmHWM``, reset through ``clear_refs``; sampled ``VmRSS`` where
-    that cannot be written) minus RSS at the start. It includes the pages of the
-    server's SHM pool the process touched (``RssShmem``: the server's memory, mapped by
-    both SDKs, not new memory of the machine). ``private``: peak of the private part
-    (``RssAnon``, sampled every millisecond) minus its start value.
+    that cannot be written) minus RSS at the start. It includes the pages of the server's
+    SHM pool the process touched (``RssShmem``: the server's memory, mapped by both SDKs,
+    not new memory of the machine). ``private``: peak of the private part (``RssAnon``,
+    sampled every millisecond) minus its start value. With ``since`` (a
+    :func:`rss_snapshot` taken earlier), the private memory added between then and the
+    start counts in both; shared pages mapped meanwhile do not.
     """
 
-    def __init__(self) -> None:
+    def __init__(self, since: tuple[int, int] | None = None) -> None:
+        self.since = since
         self.growth = 0
         self.private = 0
         self.method = ""
@@ -57,10 +68,14 @@ class PeakRss:
         self._peak_anon = 0
 
     def __enter__(self) -> PeakRss:
-        gc.collect()
-        self.base = _status_kib("VmRSS")
-        self.base_anon = self._peak_anon = _status_kib("RssAnon")
-        self._peak = self.base
+        rss, anon = rss_snapshot()
+        self._peak, self._peak_anon = rss, anon
+        self.base, self.base_anon = rss, anon
+        if self.since is not None:
+            # the private memory added since then counts; shared pages mapped since then
+            # (a pool mapping populated in the background: the server's memory) do not
+            self.base_anon = self.since[1]
+            self.base = rss - max(0, anon - self.since[1])
         try:
             with open("/proc/self/clear_refs", "w") as f:
                 f.write("5")
@@ -261,6 +276,7 @@ def run(cfg: dict[str, Any]) -> dict[str, Any]:
             for s in streams:
                 batch.add(s)
             sp = {"temperature": 0.0, "ignore_eos": True}
+            before_prefill = rss_snapshot()
             t = time.perf_counter()
             batch.prefill(sp)
             prefill_s = time.perf_counter() - t
@@ -272,7 +288,7 @@ def run(cfg: dict[str, Any]) -> dict[str, Any]:
                         **landed, "edit_cpu_s": edit_cpu(ctx, streams, cfg["salt"], fn, kind)}
             time.sleep(float(cfg.get("settle_s") or 0.0))
             native0 = _native_stats() if cfg["side"] == "ours" else {}
-            with PeakRss() as rss, CpuUse(dict(cfg.get("pgids") or {})) as cpu:
+            with PeakRss(before_prefill) as rss, CpuUse(dict(cfg.get("pgids") or {})) as cpu:
                 t = time.perf_counter()
                 report = batch.modify(fn)
                 modify_s = time.perf_counter() - t
