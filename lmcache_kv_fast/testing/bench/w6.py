@@ -170,8 +170,8 @@ def _engine(args: argparse.Namespace, s: W6Sizes) -> Iterator[dict[str, Any]]:
             url, http_url = args.url, args.http_url
             port = int(url.rsplit(":", 1)[1])
         else:
-            # every side's prompts and edits of every rep, while that fits in 6 GiB (the
-            # server evicts the oldest beyond)
+            # one worker's prompts and edits with room to spare (L1 is emptied before every
+            # worker), at least 6 GiB
             l1 = max(1.0, min(max(6.0, 2.5 * s.streams * s.prompt_tokens * kv_token_bytes / 2**30),
                               4 * s.reps * s.streams * s.prompt_tokens * kv_token_bytes / 2**30))
             srv = stack.enter_context(LMCacheServer(shm=True, chunk_size=CHUNK, l1_size_gb=l1))
@@ -188,7 +188,8 @@ def _engine(args: argparse.Namespace, s: W6Sizes) -> Iterator[dict[str, Any]]:
         with contextlib.suppress(AttributeError, OSError, TypeError):
             pgids["engine"] = os.getpgid(eng.proc.pid)  # type: ignore[union-attr]
         yield {"url": url, "http_url": http_url, "vllm_url": eng.url, "model": model,
-               "engine": eng, "pgids": pgids}
+               "engine": eng, "pgids": pgids,
+               "clear": None if args.url and args.http_url else srv.clear}
 
 
 def _external_hits(vllm_url: str) -> float:
@@ -249,6 +250,10 @@ def run_w6(args: argparse.Namespace) -> dict[str, Any]:
                        "kernel": kernel, "torch_threads": args.w6_torch_threads,
                        "max_in_flight": args.w6_max_in_flight, "pgids": env["pgids"],
                        "settle_s": args.w6_settle}
+                if env["clear"] is not None:
+                    # every worker starts on the same server state: an emptied L1, so no
+                    # eviction pass (1 Hz above 80 % use) runs during anyone's phases
+                    env["clear"]()
                 before = _external_hits(env["vllm_url"])
                 res = _worker(cfg)
                 res["external_hits"] = _external_hits(env["vllm_url"]) - before
@@ -274,7 +279,7 @@ def pool_state(args: argparse.Namespace) -> str:
     if getattr(args, "url", None) and getattr(args, "http_url", None):
         return "as given (--url)"
     return "cold (sparse)" if getattr(args, "w6_cold_pool", False) else \
-        "warm (every page allocated before the reps)"
+        "warm (every page allocated before the reps); L1 emptied before every worker"
 
 
 def summarize(s: W6Sizes, runs: list[dict[str, Any]]) -> dict[str, Any]:
