@@ -268,3 +268,4 @@ def test_bench_w6_quick(openai_engine, engine_server, model_name):
         assert v["external_hits"] >= 3 * 256  # the decode read the edited prefixes
     assert set(doc["targets"]) == {"modify_speedup", "modify_rss_ratio",
                                    "modify_private_rss_ratio"}
+    assert doc["pool"] == "as given (--url)"  # a server given by URL is never emptied

@@ -155,7 +155,7 @@ def _engine(args: argparse.Namespace, s: W6Sizes) -> Iterator[dict[str, Any]]:
             if not (args.url and args.http_url and args.w6_model):
                 raise SystemExit("--w6-vllm-url needs --url, --http-url and --w6-model")
             yield {"url": args.url, "http_url": args.http_url, "vllm_url": args.w6_vllm_url,
-                   "model": args.w6_model, "engine": None, "pgids": {}}
+                   "model": args.w6_model, "engine": None, "pgids": {}, "clear": None}
             return
         layers, heads, dim = kv_geometry(args)
         if args.w6_model:
