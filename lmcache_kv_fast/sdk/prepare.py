@@ -13,8 +13,11 @@ it returns. The modify that follows finds them in the pool.
 
 The buffers are the memory the modify would take anyway (they stay pooled afterwards,
 as the modify's own would). Sizes come from the streams' prompts (whole chunks) and the
-KV context's per-token shape; nothing is reserved for results the pool does not keep
-(under 2 MiB) or with the torch backend.
+KV context's per-token shape. Nothing is prepared for streams under
+:data:`MIN_PREPARE_BYTES` of KV (their faults cost a few milliseconds, and an edit's
+smaller output may not be pooled at all, so a prepared buffer could go unused: bench W6
+with the test model, 2 MiB per stream, held 6 MiB more for no measurable gain), or
+with the torch backend.
 """
 
 from __future__ import annotations
@@ -29,7 +32,10 @@ from lmcache_kv_fast.sdk.request import LMCacheRequestStream, LMCacheRequestStre
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["ModifyPreparation", "modify_buffers"]
+__all__ = ["MIN_PREPARE_BYTES", "ModifyPreparation", "modify_buffers"]
+
+#: Smallest stream KV (bytes, as read) whose modify buffers are prepared.
+MIN_PREPARE_BYTES = 16 << 20
 
 
 def modify_buffers(streams: Sequence[LMCacheRequestStream], max_in_flight: int
@@ -71,7 +77,7 @@ class ModifyPreparation:
         max_in_flight: The modify's bound of streams in flight.
 
     Attributes:
-        nbytes: Size of each buffer (0: nothing to prepare).
+        nbytes: Size of each buffer (nothing is prepared under :data:`MIN_PREPARE_BYTES`).
         count: Buffers wanted.
         reserved: Buffers mapped (set when the thread ends; the pool may already have
             held some).
@@ -81,7 +87,7 @@ class ModifyPreparation:
         self.nbytes, self.count = modify_buffers(streams, max_in_flight)
         self.reserved = 0
         self._thread: threading.Thread | None = None
-        if self.nbytes and self.count:
+        if self.nbytes >= MIN_PREPARE_BYTES and self.count:
             self._thread = threading.Thread(target=self._run, daemon=True,
                                             name="lmcache-kv-fast-prepare-modify")
             self._thread.start()

@@ -234,11 +234,13 @@ def test_batch_modify_bounded_every_error_reported(qserver, exporter):
         ctx.close()
 
 
-def test_prefill_prepares_the_modify_buffers(qserver, exporter):
+def test_prefill_prepares_the_modify_buffers(qserver, exporter, monkeypatch):
     """prefill() maps and faults the buffers the next modify reads and edits into (the
     largest stream's KV, streams in flight + 1), joined before it returns; the modify
-    then takes them from the pool (no new mapping) and stores the right bytes."""
+    then takes them from the pool (no new mapping) and stores the right bytes. Streams
+    under MIN_PREPARE_BYTES (16 MiB; lowered here to keep the test small) get none."""
     from lmcache_kv_fast import _native
+    from lmcache_kv_fast.sdk import prepare
     from lmcache_kv_fast.sdk.prepare import modify_buffers
 
     ctx = lmc_sdk.kvcache.connect(qserver.url, qserver.http_url, "qmodel")
@@ -256,6 +258,11 @@ def test_prefill_prepares_the_modify_buffers(qserver, exporter):
         assert _native.result_pool_stats()["reserved"] == r0["reserved"]
         for s, _ in made:
             s.done = False  # the hook yields no token: 0.5.6 calls such a stream done
+        b.prefill({})  # 2.25 MiB per stream: under the real threshold
+        assert _native.result_pool_stats()["reserved"] == r0["reserved"]
+        for s, _ in made:
+            s.done = False
+        monkeypatch.setattr(prepare, "MIN_PREPARE_BYTES", 2 << 20)
         b.prefill({})
         r1 = _native.result_pool_stats()
         assert r1["reserved"] - r0["reserved"] == 3 and r1["entries"] == 3

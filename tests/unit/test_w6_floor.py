@@ -120,33 +120,28 @@ def test_edit_cpu_counts_the_cheaper_form_of_the_edit_per_stream():
     assert math.isnan(edit_cpu(_KVSource(None), streams, "", fn, "kv"))
 
 
-def test_peak_rss_since_a_snapshot_counts_memory_made_ready_before_the_block():
-    """W6 measures the modify's memory from before the prefill: what an SDK allocates
-    during the prefill for the modify (its prepared result buffers) counts."""
-    from lmcache_kv_fast.testing.bench.w6_worker import PeakRss, rss_snapshot
+def test_modify_memory_counts_the_result_buffers_prepared_during_the_prefill():
+    """W6 adds what this SDK's result pool grew by over the prefill (the modify's buffers,
+    mapped and faulted then) to the modify's growth; the rest of the prefill's memory and
+    shared pages mapped before the phase are not the modify's."""
+    from lmcache_kv_fast import _native
+    from lmcache_kv_fast.copy import backend
+    from lmcache_kv_fast.testing.bench.w6_worker import PeakRss, prepared_bytes
 
-    snap = rss_snapshot()
-    ready = b"\x01" * (64 << 20)  # written: resident, private
-    with PeakRss(snap) as since:
-        pass
-    with PeakRss() as plain:
-        pass
-    assert since.private >= 60 << 20 and since.growth >= 60 << 20
-    assert plain.private < 16 << 20 and plain.growth < 16 << 20
-    assert len(ready) == 64 << 20
-
-
-def test_peak_rss_since_a_snapshot_leaves_out_shared_pages_mapped_before_the_block(tmp_path):
-    """A pool mapping populated during the prefill is the server's memory: not counted."""
-    import mmap
-
-    from lmcache_kv_fast.testing.bench.w6_worker import PeakRss, rss_snapshot
-
-    path = tmp_path / "shared"
-    path.write_bytes(b"\x02" * (64 << 20))
-    snap = rss_snapshot()
-    with open(path, "r+b") as f, mmap.mmap(f.fileno(), 0, mmap.MAP_SHARED) as m:
-        assert sum(m[i] for i in range(0, len(m), 4096)) == 2 * (64 << 20) // 4096  # mapped
-        with PeakRss(snap) as since:
+    _native.result_pool_trim()
+    try:
+        pool0 = prepared_bytes()
+        assert backend().reserve_results(8 << 20, 3) == 3  # what prefill() prepares
+        prepared = prepared_bytes() - pool0
+        assert prepared == 3 * (8 << 20)
+        other = b"\x01" * (32 << 20)  # the prefill's own memory: not the modify's
+        with PeakRss(prepared) as counted:
             pass
-    assert since.growth < 16 << 20 and since.private < 16 << 20
+        with PeakRss() as plain:
+            pass
+        assert 3 * (8 << 20) <= counted.private < 3 * (8 << 20) + (8 << 20)
+        assert 3 * (8 << 20) <= counted.growth < 3 * (8 << 20) + (8 << 20)
+        assert plain.private < 8 << 20 and plain.growth < 8 << 20
+        assert len(other) == 32 << 20
+    finally:
+        _native.result_pool_trim()

@@ -403,8 +403,8 @@ def print_w6(doc: dict[str, Any]) -> None:
         print(f"  {name}: {t['value']:.2f} (target {op} {t['target']}) "
               f"{'MET' if t['met'] else 'NOT MET'}")
     print("  (prefill and decode are the engine's time; modify includes waiting for the engine's "
-          "store; +RSS is the modify phase's peak RSS growth (private memory made ready during the "
-          "prefill counts), which includes the pages of the "
+          "store; +RSS is the modify phase's peak RSS growth (plus the result buffers this SDK "
+          "made ready for it during the prefill), which includes the pages of the "
           "server's SHM pool the worker touched — the same for both SDKs; +private is its "
           "private part, RssAnon)")
 

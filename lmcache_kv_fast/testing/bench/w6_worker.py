@@ -7,12 +7,12 @@
 (``OpenAICompletions``) and the same edit (drop every n-th token), so the prefill and
 decode phases are the engine's time and the modify phase is the SDK's.
 
-The modify phase's memory is its peak RSS growth: the process's peak RSS during the phase
-(``VmHWM``, reset through ``/proc/self/clear_refs`` just before the phase) minus its RSS
-before the prefill (after a garbage collection), so memory an SDK makes ready for the
-modify while the engine prefills (this one's result buffers, ``sdk/prepare.py``) counts
-as the modify's; a 2 ms sampler of ``VmRSS`` is the fallback where ``clear_refs`` cannot
-be written.
+The modify phase's memory is its peak RSS growth: the process's peak RSS (``VmHWM``,
+reset through ``/proc/self/clear_refs`` just before the phase, after a garbage
+collection) minus its RSS at that moment, plus the result buffers this SDK made ready
+for the modify during the prefill (``sdk/prepare.py``: the growth of its result pool
+over the prefill); a 2 ms sampler of ``VmRSS`` is the fallback where ``clear_refs``
+cannot be written.
 """
 
 from __future__ import annotations
@@ -40,10 +40,17 @@ def _status_kib(field: str) -> int:
     return 0
 
 
-def rss_snapshot() -> tuple[int, int]:
-    """``(VmRSS, RssAnon)`` in KiB now, after a garbage collection."""
-    gc.collect()
-    return _status_kib("VmRSS"), _status_kib("RssAnon")
+def prepared_bytes() -> int:
+    """Idle bytes in this SDK's result pool (0 without the native core).
+
+    Their growth over the prefill is the memory the batched stream made ready for the
+    modify then (``sdk/prepare.py``): counted as the modify's.
+    """
+    try:
+        from lmcache_kv_fast import _native
+    except ImportError:
+        return 0
+    return int(_native.result_pool_stats()["pooled_bytes"])
 
 
 class PeakRss:
@@ -53,13 +60,13 @@ class PeakRss:
     that cannot be written) minus RSS at the start. It includes the pages of the server's
     SHM pool the process touched (``RssShmem``: the server's memory, mapped by both SDKs,
     not new memory of the machine). ``private``: peak of the private part (``RssAnon``,
-    sampled every millisecond) minus its start value. With ``since`` (a
-    :func:`rss_snapshot` taken earlier), the private memory added between then and the
-    start counts in both; shared pages mapped meanwhile do not.
+    sampled every millisecond) minus its start value. Both include ``extra`` bytes:
+    memory allocated for the block before it started (this SDK's result buffers,
+    prepared during the prefill).
     """
 
-    def __init__(self, since: tuple[int, int] | None = None) -> None:
-        self.since = since
+    def __init__(self, extra: int = 0) -> None:
+        self.extra = max(0, int(extra))
         self.growth = 0
         self.private = 0
         self.method = ""
@@ -68,14 +75,9 @@ class PeakRss:
         self._peak_anon = 0
 
     def __enter__(self) -> PeakRss:
-        rss, anon = rss_snapshot()
-        self._peak, self._peak_anon = rss, anon
-        self.base, self.base_anon = rss, anon
-        if self.since is not None:
-            # the private memory added since then counts; shared pages mapped since then
-            # (a pool mapping populated in the background: the server's memory) do not
-            self.base_anon = self.since[1]
-            self.base = rss - max(0, anon - self.since[1])
+        gc.collect()
+        self.base = self._peak = _status_kib("VmRSS")
+        self.base_anon = self._peak_anon = _status_kib("RssAnon")
         try:
             with open("/proc/self/clear_refs", "w") as f:
                 f.write("5")
@@ -99,8 +101,8 @@ class PeakRss:
         self._peak_anon = max(self._peak_anon, _status_kib("RssAnon"))
         peak = _status_kib("VmHWM") if self.method == "VmHWM" else \
             max(self._peak, _status_kib("VmRSS"))
-        self.growth = max(0, peak - self.base) * 1024
-        self.private = max(0, self._peak_anon - self.base_anon) * 1024
+        self.growth = max(0, peak - self.base) * 1024 + self.extra
+        self.private = max(0, self._peak_anon - self.base_anon) * 1024 + self.extra
 
 
 def _group_cpu_s(pgid: int) -> float:
@@ -276,10 +278,11 @@ def run(cfg: dict[str, Any]) -> dict[str, Any]:
             for s in streams:
                 batch.add(s)
             sp = {"temperature": 0.0, "ignore_eos": True}
-            before_prefill = rss_snapshot()
+            pool0 = prepared_bytes()
             t = time.perf_counter()
             batch.prefill(sp)
             prefill_s = time.perf_counter() - t
+            prepared = max(0, prepared_bytes() - pool0)
             fn = drop_every(int(cfg["drop_every"]), kind)
             if cfg["side"] == "land":
                 landed = landing(ctx, streams, cfg["salt"])
@@ -288,7 +291,7 @@ def run(cfg: dict[str, Any]) -> dict[str, Any]:
                         **landed, "edit_cpu_s": edit_cpu(ctx, streams, cfg["salt"], fn, kind)}
             time.sleep(float(cfg.get("settle_s") or 0.0))
             native0 = _native_stats() if cfg["side"] == "ours" else {}
-            with PeakRss(before_prefill) as rss, CpuUse(dict(cfg.get("pgids") or {})) as cpu:
+            with PeakRss(prepared) as rss, CpuUse(dict(cfg.get("pgids") or {})) as cpu:
                 t = time.perf_counter()
                 report = batch.modify(fn)
                 modify_s = time.perf_counter() - t
@@ -303,6 +306,7 @@ def run(cfg: dict[str, Any]) -> dict[str, Any]:
                 "modify_s": modify_s, "decode_s": decode_s,
                 "modify_rss_growth": rss.growth, "modify_private_growth": rss.private,
                 "rss_method": rss.method, "modify_cpu_s": cpu.seconds,
+                "modify_prepared_bytes": prepared,
                 "native_stats": {k: native1[k] - native0.get(k, 0) for k in native1},
                 "tokens": [list(s.tokens) for s in streams],
                 "modify_report": report.to_dict(),
