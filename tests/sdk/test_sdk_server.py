@@ -10,6 +10,7 @@ the engine workflow is tests/sdk/test_sdk_engine.py.
 from __future__ import annotations
 
 import threading
+import time
 import weakref
 from collections.abc import Iterator
 
@@ -121,6 +122,16 @@ def test_ipc_and_bare_host_port_urls(qserver):
 
 
 # ---------------------------------------------------------------------- query tensors
+def _visible(ctx, tokens, n, cache_salt="", timeout=10.0):
+    """Wait until ``n`` tokens of ``tokens`` are cached: the server answers a store from
+    its own server-facing classes (the exporter's, like an engine's) before the object is
+    visible, so a read right after it can miss (seen on a loaded 2-core box)."""
+    deadline = time.monotonic() + timeout
+    while ctx.lookup(tokens, cache_salt) < n:
+        assert time.monotonic() < deadline, f"{n} tokens not visible after {timeout} s"
+        time.sleep(0.01)
+
+
 def test_query_read_geometry_from_query_registration(qserver, exporter):
     toks = rand_tokens(600, 10)
     q = exporter.random_query(512, 10)
@@ -128,6 +139,7 @@ def test_query_read_geometry_from_query_registration(qserver, exporter):
     ours = lmc_sdk.connect(QUERY, qserver.url, qserver.http_url, "qmodel")
     theirs = upstream.qcache.connect(qserver.url, qserver.http_url, "qmodel")
     try:
+        _visible(ours, toks, 512)
         assert ours.kind is QUERY and ours.server_model_name == "qmodel##query"
         # the query ring's geometry (4 heads of 64), not the KV registration's (heads of 64)
         assert ours.layout.planes == 1 and ours.layout.hidden_size == HQ * HS
@@ -153,6 +165,7 @@ def test_query_read_geometry_from_query_registration(qserver, exporter):
         # salts isolate queries like KV
         ts = rand_tokens(512, 14)
         assert exporter.store_query(ts, exporter.random_query(512, 14), cache_salt="tenant")
+        _visible(ours, ts, 512, cache_salt="tenant")
         assert ours.retrieve(ts) is None and ours.retrieve(ts, cache_salt="tenant") is not None
     finally:
         ours.close()
