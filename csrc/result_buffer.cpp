@@ -26,6 +26,14 @@ constexpr size_t kHuge = 2u << 20;
 
 size_t round_up(size_t n, size_t a) { return (n + a - 1) / a * a; }
 
+size_t page_size() {
+  static const size_t size = [] {
+    const long p = sysconf(_SC_PAGESIZE);
+    return p > 0 ? static_cast<size_t>(p) : size_t{4096};
+  }();
+  return size;
+}
+
 // The capacity mapped for a request of n bytes: whole huge pages, and from 16 MiB up in
 // quarter-power-of-two steps (16, 20, 24, 28, 32, 40, ... MiB), so results of nearby
 // sizes share pooled regions. Without the classes a pool that served a 57.6 MiB edit
@@ -199,15 +207,18 @@ ResultBuffer::ResultBuffer(uint64_t nbytes, Prefault prefault, bool use_pool)
   if (!region_) {
     region_ = AnonRegion::map(cap, huge_results());
     if (prefault == Prefault::kPopulate) {
-      // the requested bytes only: the class's slack is faulted if a later result uses it
+      // The requested bytes only (whole pages: huge ones when results use them): the
+      // class's slack is faulted if a later result uses it, so a 1.1 MiB result in its
+      // 2 MiB region costs 1.1 MiB of memory, not 2.
       char* base = region_.data();
-      const size_t want = round_up(static_cast<size_t>(nbytes), kHuge);
-      const uint64_t chunks = want / kHuge;
+      const size_t page = huge_results() ? kHuge : page_size();
+      const size_t want = round_up(static_cast<size_t>(nbytes), page);
+      const uint64_t pages = want / page;
       run_parallel(want, 1 << 20, [&](int part, int nparts) {
-        const uint64_t c0 = chunks * static_cast<uint64_t>(part) / static_cast<uint64_t>(nparts);
+        const uint64_t c0 = pages * static_cast<uint64_t>(part) / static_cast<uint64_t>(nparts);
         const uint64_t c1 =
-            chunks * static_cast<uint64_t>(part + 1) / static_cast<uint64_t>(nparts);
-        if (c1 > c0) madvise(base + c0 * kHuge, (c1 - c0) * kHuge, MADV_POPULATE_WRITE);
+            pages * static_cast<uint64_t>(part + 1) / static_cast<uint64_t>(nparts);
+        if (c1 > c0) madvise(base + c0 * page, (c1 - c0) * page, MADV_POPULATE_WRITE);
       });
     }
   }

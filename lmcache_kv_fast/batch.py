@@ -282,7 +282,7 @@ def rewrite(
     view of ``kv`` (e.g. an in-place edit narrowed to the kept tokens).
 
     Output memory (``pool_outputs``, default on with the native core): while ``fn`` runs,
-    the large (>= 2 MiB) fresh outputs of torch operators it calls (``index_select``,
+    the large (>= 1 MiB) fresh outputs of torch operators it calls (``index_select``,
     ``cat``, ``clone``, ``.float()``, arithmetic, ...) are computed into buffers from the
     context's pool of already-faulted result buffers instead of fresh memory, which
     otherwise costs a page fault per 4 KiB (more than a cheap edit itself). Values, shapes,

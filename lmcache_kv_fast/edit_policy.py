@@ -8,7 +8,10 @@ for 230 MiB here, 2-4x the copy itself). glibc cannot be told to keep them relia
 to 1 GiB but only the main arena honours it (a thread's arena still maps anything above
 its 64 MiB heap), and in the main arena torch's 64-byte-aligned ``posix_memalign`` often
 finds the freed block a few bytes too small for the next identical request, so the heap
-keeps growing (0.46-0.92 GiB over 6 edits of 230 MiB) instead of reusing it.
+keeps growing (0.46-0.92 GiB over 6 edits of 230 MiB) instead of reusing it. Smaller
+outputs fare no better: once a freed mapping has raised glibc's dynamic mmap threshold,
+outputs of a few MiB come from the heap, where the same holes make it grow (16 edits of
+1.8 MiB: 15 MiB).
 
 :class:`PooledOutputs` instead serves such outputs from the native core's pool of
 already-faulted result buffers (the same pool ``retrieve`` results come from): while the
@@ -52,9 +55,10 @@ logger = logging.getLogger(__name__)
 ENV_POOL_OUTPUTS = "LMCACHE_KV_FAST_POOL_OUTPUTS"
 ENV_EDIT_THREADS = "LMCACHE_KV_FAST_EDIT_THREADS"
 
-#: Outputs smaller than this come from torch's allocator as usual (the pool rounds up to
-#: 2 MiB; glibc reuses small blocks well).
-MIN_POOLED_BYTES = 2 << 20
+#: Outputs smaller than this come from torch's allocator as usual. From 1 MiB glibc's heap
+#: does not reuse freed outputs reliably (see ``copy.native_backend.MIN_POOLED_RESULT_BYTES``):
+#: a modify's 1.8 MiB edit outputs grew it by 15 MiB over 16 streams.
+MIN_POOLED_BYTES = 1 << 20
 
 AllocFn = Callable[[Sequence[int], torch.dtype], torch.Tensor]
 

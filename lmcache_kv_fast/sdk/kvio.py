@@ -68,10 +68,17 @@ class StreamKV:
         self._tls = threading.local()
 
     def _buffer(self, name: str, numel: int) -> torch.Tensor:
-        """This thread's flat buffer ``name`` with room for ``numel`` elements."""
+        """This thread's flat buffer ``name`` with room for ``numel`` elements.
+
+        From the core's result pool (``alloc_result``) when large enough: already faulted
+        when a buffer of an earlier modify is idle there, and back to the pool, not to
+        glibc's heap, when this context is done with it.
+        """
         buf: torch.Tensor | None = getattr(self._tls, name, None)
         if buf is None or buf.numel() < numel:
-            buf = torch.empty(numel, dtype=self._ctx.dtype)
+            buf = None  # the old buffer goes back before the new one is taken
+            setattr(self._tls, name, None)
+            buf = backend().alloc_result((numel,), self._ctx.dtype)
             setattr(self._tls, name, buf)
         return buf
 
@@ -95,7 +102,7 @@ class StreamKV:
         if rows is None:
             return None
         hit = rows.shape[1]
-        # a recycled native buffer (already faulted) for results from 2 MiB, as the core's
+        # a recycled native buffer (already faulted) for results from 1 MiB, as the core's
         # own retrieve allocates its result
         out = backend().alloc_result((2, cpu.num_layers, hit, cpu.num_kv_heads * cpu.head_dim),
                                      cpu.dtype)

@@ -13,6 +13,7 @@ import threading
 import time
 import weakref
 from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 import torch
@@ -292,6 +293,42 @@ def test_prefill_prepares_the_modify_buffers(qserver, exporter, monkeypatch):
     finally:
         ctx.close()
         _native.result_pool_trim()
+
+
+def test_modify_does_not_grow_mallocs_heap(qserver, exporter):
+    """A fresh process's modify of 16 streams of 2 MiB, each edit 1.8 MiB: the reads and
+    the edit's outputs come from the result pool, so glibc's heap does not grow. (From
+    torch's allocator the edits grew it by ~15 MiB: once a freed mapping raised glibc's
+    mmap threshold, outputs of a few MiB came from the heap, which its alignment holes
+    kept growing.) The stored edits are checked byte for byte."""
+    import json
+    import subprocess
+    import sys
+
+    ctx = lmc_sdk.kvcache.connect(qserver.url, qserver.http_url, "qmodel")
+    try:
+        n = 8 * CHUNK
+        made = _streams([ctx], 16, n, 700, salt="heap")  # [2, 2, 2048, 128] bf16: 2 MiB
+        cfg = {"url": qserver.url, "http_url": qserver.http_url, "model": "qmodel",
+               "salt": "heap", "prompts": [list(s.tokens) for s, _ in made]}
+        child = Path(__file__).parent / "programs" / "modify_heap_child.py"
+        out = subprocess.run([sys.executable, str(child)], input=json.dumps(cfg),
+                             capture_output=True, text=True, timeout=300)
+        lines = [ln for ln in out.stdout.splitlines() if ln.startswith("HEAP ")]
+        assert out.returncode == 0 and lines, out.stderr[-3000:]
+        res = json.loads(lines[0][5:])
+        assert res["modified"] == 16
+        grown = res["after"]["arena"] - res["before"]["arena"]
+        assert grown < 4 << 20, res  # small objects only (tokens, requests)
+        assert res["after"]["mapped"] - res["before"]["mapped"] < 4 << 20, res
+        assert res["pool_hits"] + res["pool_misses"] >= 32, res  # 16 reads + 16 edits
+        keep = [j for j in range(n) if j % 10 != 9]
+        for s, kv in made:
+            got = ctx.retrieve([s.tokens[j] for j in keep], cache_salt="heap")
+            assert got is not None and got.shape[-2] == len(keep) // CHUNK * CHUNK
+            assert torch.equal(bits(got), bits(kv[:, :, keep][:, :, : got.shape[-2]]))
+    finally:
+        ctx.close()
 
 
 def test_modify_gets_query_tensors_too(qserver, exporter):

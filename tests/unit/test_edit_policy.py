@@ -13,6 +13,7 @@ from lmcache_kv_fast.copy.select import backend
 from lmcache_kv_fast.edit_policy import (
     ENV_EDIT_THREADS,
     ENV_POOL_OUTPUTS,
+    MIN_POOLED_BYTES,
     EditPolicy,
     EditRunner,
     PooledOutputs,
@@ -134,6 +135,24 @@ def test_kept_outputs_are_never_recycled():
         assert torch.equal(out.view(torch.int16), _kv(i).index_select(2, KEEP).view(torch.int16))
         del out
     assert _native.result_pool_stats()["hits"] - hits >= 4
+
+
+@native
+def test_outputs_from_1_mib_are_pooled():
+    """A small stream's token drop (2 MiB of KV, 1.8 MiB kept) comes from the pool, not
+    from glibc's heap, which such outputs make grow; outputs under 1 MiB do not."""
+    assert MIN_POOLED_BYTES == 1 << 20
+    kv = _kv(shape=(2, 2, 2048, 128))  # bf16: 2 MiB
+    keep = torch.tensor([i for i in range(2048) if i % 10 != 9])
+    mode = PooledOutputs(backend().alloc_result)
+    with mode:
+        big = kv.index_select(2, keep)  # 1.8 MiB
+    assert mode.pooled == 1 and big.data_ptr() % (2 << 20) == 0  # a pool region
+    assert _same(big, kv.index_select(2, keep))
+    with mode:
+        half = kv[:, :, :1024].index_select(2, keep[keep < 1024])  # 0.9 MiB
+    assert mode.pooled == 1
+    assert _same(half, kv[:, :, :1024].index_select(2, keep[keep < 1024]))
 
 
 @native

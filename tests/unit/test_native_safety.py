@@ -640,6 +640,49 @@ def _minflt() -> int:
     return resource.getrusage(resource.RUSAGE_SELF).ru_minflt
 
 
+def _rss_kib_of_mapping(addr: int) -> int:
+    """Resident KiB of the mapping of /proc/self/smaps that holds ``addr``."""
+    inside = False
+    with open("/proc/self/smaps") as f:
+        for line in f:
+            head = line.split(maxsplit=1)[0]
+            if "-" in head and ":" not in head:
+                lo, hi = (int(x, 16) for x in head.split("-"))
+                inside = lo <= addr < hi
+            elif inside and line.startswith("Rss:"):
+                return int(line.split()[1])
+    raise AssertionError(f"no mapping holds {addr:#x}")
+
+
+def test_results_from_1_mib_are_pooled_and_fault_their_own_pages_only() -> None:
+    """From 1 MiB a result is a pool buffer (glibc's heap grows under such blocks); a
+    fresh one's pages are faulted for its own bytes, not its 2 MiB region's slack."""
+    if nb.MIN_POOLED_RESULT_BYTES != 1 << 20:
+        raise AssertionError(nb.MIN_POOLED_RESULT_BYTES)
+    _native.result_pool_trim()
+    try:
+        m0 = _native.result_pool_stats()["misses"]
+        small = nb.alloc_result(((1 << 20) - 2,), torch.uint8)
+        assert _native.result_pool_stats()["misses"] == m0  # torch.empty: not the pool
+        a = nb.alloc_result((1_100_000,), torch.uint8)
+        assert _native.result_pool_stats()["misses"] == m0 + 1
+        assert a.data_ptr() % (2 << 20) == 0
+        rss = _rss_kib_of_mapping(a.data_ptr())
+        assert 1_100_000 // 1024 <= rss <= 1_100_000 // 1024 + 8, rss  # not 2,048
+        a.fill_(7)
+        ptr = a.data_ptr()
+        del a
+        gc.collect()
+        b = nb.alloc_result((1_900_000,), torch.uint8)  # the slack is usable: same buffer
+        assert b.data_ptr() == ptr and _native.result_pool_stats()["misses"] == m0 + 1
+        b.fill_(9)
+        assert int(b[-1]) == 9 and small.numel() == (1 << 20) - 2
+        del b
+    finally:
+        gc.collect()
+        _native.result_pool_trim()
+
+
 def test_reserved_results_are_faulted_ahead_and_served_from_the_pool() -> None:
     """reserve_results maps and populates buffers that the next results take: no miss,
     and writing every byte of them takes (almost) no page fault."""
@@ -674,7 +717,7 @@ def test_reserve_results_stays_within_the_pool_limit_and_checks_its_arguments() 
     try:
         assert nb.reserve_results(8 << 20, 5) == 2  # 20 MiB hold two 8 MiB buffers
         assert _native.result_pool_stats()["pooled_bytes"] == 16 << 20
-        assert nb.reserve_results(1 << 20, 4) == 0  # not pooled: nothing to reserve
+        assert nb.reserve_results(512 << 10, 4) == 0  # not pooled: nothing to reserve
         assert nb.reserve_results(64 << 20, 1) == 0  # above the limit
         assert nb.reserve_results(8 << 20, 0) == 0
         with pytest.raises(ValueError, match="nbytes, count >= 0"):
