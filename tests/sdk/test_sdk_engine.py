@@ -29,6 +29,8 @@ from lmcache_kv_fast.layout import select_cpu_kernel
 from lmcache_kv_fast.sdk.hooks import EngineHookError, OpenAICompletions
 from lmcache_kv_fast.testing.upstream_cpu import cpu_engine_kv, upstream_on_cpu_engine
 
+from .http_delay_proxy import HttpDelayProxy
+
 upstream = pytest.importorskip("lmcache.sdk")
 
 HERE = Path(__file__).parent
@@ -231,9 +233,25 @@ def test_openai_hook_errors_are_clear(openai_engine, model_name):
         list(OpenAICompletions(f"http://127.0.0.1:{free_port()}", model="m")([5, 6], SP, ""))
     with pytest.raises(EngineHookError, match="HTTP 400"):
         list(ok(tokens(3000, 1), {**SP, "max_tokens": 4}, ""))
-    with pytest.raises(EngineHookError, match="read timeout"):
-        list(OpenAICompletions(openai_engine.url, read_timeout=1e-4)(tokens(1800, 2),
-                                                                     {**SP, "max_tokens": 1}, ""))
+    # timeouts through a proxy that holds the engine's reply but lets its requests run to
+    # their end: closing the connection would abort the request, and an abort can kill
+    # the shared engine (an upstream race: http_delay_proxy.py)
+    with (HttpDelayProxy("127.0.0.1", openai_engine.port, delay=3.0) as slow,
+          pytest.raises(EngineHookError, match=r"no response within 0.5s \(read timeout")):
+        list(OpenAICompletions(slow.url, model=model_name, read_timeout=0.5)(
+            tokens(1800, 2), {**SP, "max_tokens": 1}, ""))
+    assert slow.finished == 1
+    with (HttpDelayProxy("127.0.0.1", openai_engine.port, delay=3.0, hold="body") as slow,
+          pytest.raises(EngineHookError, match=r"reading the stream of POST http://127.0.0.1"
+                                               r".* failed: .*\(read timeout 0.5s\)")):
+        list(OpenAICompletions(slow.url, model=model_name, read_timeout=0.5)(
+            tokens(1700, 4), {**SP, "max_tokens": 2}, ""))
+    assert slow.finished == 1
+    # the same proxy with a patient hook: the held reply arrives whole
+    with HttpDelayProxy("127.0.0.1", openai_engine.port, delay=1.0, hold="body") as slow:
+        st = OpenAICompletions(slow.url, model=model_name)(tokens(200, 5),
+                                                           {**SP, "max_tokens": 2}, "")
+        assert len([e.token_id for e in st]) == 2 and st.finish_reason == "length"
     # inside a stream the hook's error is the stream's error, naming the stream
     s = lmc_sdk.request.create_request([], OpenAICompletions(openai_engine.url, model="nope"), [7])
     with pytest.raises(lmc_sdk.request.LMCacheRequestStreamError, match="HTTP 404"):

@@ -43,8 +43,12 @@ class OpenAICompletions:
         model: Model name for the requests (None: the server's only model, asked once
             from ``/v1/models``).
         connect_timeout: Seconds to connect.
-        read_timeout: Longest silence between two events, in seconds (a prefill of a
-            long prompt on a CPU engine can take many seconds before the first event).
+        read_timeout: Longest wait for the response head and silence between two
+            events, in seconds (a prefill of a long prompt on a CPU engine can take many
+            seconds before the first event). On a timeout the hook closes the connection
+            and vLLM aborts the request; keep it above the longest prefill (vLLM 0.32 with
+            LMCacheMPConnector can lose its EngineCore when a request is aborted while a
+            KV transfer is in flight: LMCache issues #4185, #4938).
         headers: Extra HTTP headers (e.g. ``Authorization``).
         extra_body: Extra fields for every request (sampling parameters override them).
         usage: Ask for the usage record (prompt tokens served from cache).
@@ -150,9 +154,12 @@ class _CompletionStream(OnceStream):
         try:
             resp = hook._session().post(url, json=self._body, headers=hook.headers,
                                         timeout=hook.timeout, stream=True)
-        except requests.Timeout as err:
+        except requests.ConnectTimeout as err:
             raise EngineHookError(f"POST {url}: no connection within {hook.timeout[0]}s "
                                   f"({err})") from err
+        except requests.Timeout as err:  # no response head within the read timeout
+            raise EngineHookError(f"POST {url}: no response within {hook.timeout[1]}s "
+                                  f"(read timeout; {err})") from err
         except requests.RequestException as err:
             raise EngineHookError(f"POST {url} failed: {type(err).__name__}: {err}") from err
         try:
