@@ -3,6 +3,7 @@ batched stream's default bound on streams in flight (no server or engine needed)
 
 from __future__ import annotations
 
+import json
 import math
 
 import pytest
@@ -75,12 +76,32 @@ def test_default_streams_in_flight_follow_the_cores(monkeypatch, cores, expected
 
 
 def test_kv_geometry_flag():
-    assert kv_geometry(build_parser().parse_args(["--w6"])) == (2, 2, 64)  # the test model
+    # Llama-3.2-1B's KV geometry by default; the test model's on request or by its config
+    assert kv_geometry(build_parser().parse_args(["--w6"])) == (16, 8, 64)
+    assert kv_geometry(build_parser().parse_args(["--w6", "--w6-kv-geometry", "test"])) \
+        == (2, 2, 64)
     assert kv_geometry(build_parser().parse_args(["--w6", "--w6-kv-geometry", "8,8,128"])) \
         == (8, 8, 128)
     for bad in ("8,8", "8,8,100", "0,8,128", "a,b,c"):
         with pytest.raises(SystemExit, match="w6-kv-geometry"):
             kv_geometry(build_parser().parse_args(["--w6", "--w6-kv-geometry", bad]))
+
+
+def test_kv_geometry_of_a_given_model(tmp_path):
+    """``--w6-model``: the geometry in its config.json (head_dim given or derived); the test
+    model's when the directory has no usable config."""
+    def geometry(cfg):
+        d = tmp_path / str(len(list(tmp_path.iterdir())))
+        d.mkdir()
+        if cfg is not None:
+            (d / "config.json").write_text(json.dumps(cfg))
+        return kv_geometry(build_parser().parse_args(["--w6", "--w6-model", str(d)]))
+
+    assert geometry({"num_hidden_layers": 16, "num_attention_heads": 32,
+                     "num_key_value_heads": 8, "hidden_size": 2048, "head_dim": 64}) == (16, 8, 64)
+    assert geometry({"num_hidden_layers": 4, "num_attention_heads": 8,
+                     "hidden_size": 1024}) == (4, 8, 128)
+    assert geometry(None) == geometry({"hidden_size": 1}) == (2, 2, 64)
 
 
 class _Stream:

@@ -2,12 +2,19 @@
 
 ``lmcache-kv-fast bench --w6``: 16 request streams of 2,048-token prompts run prefill →
 modify (drop every 10th token's K/V) → decode against a real vLLM CPU engine (the
-OpenAI-compatible server on the tiny Llama, ``testing/engine.py``) writing into a real
-LMCache server, once with ``lmcache_kv_fast.sdk`` and once with upstream 0.5.6's
+OpenAI-compatible server, ``testing/engine.py``) writing into a real LMCache server,
+once with ``lmcache_kv_fast.sdk`` and once with upstream 0.5.6's
 ``lmcache.sdk.batch.LMCacheBatchedStream`` (with what it needs on a CPU engine,
 ``testing/upstream_cpu.py``), each side in its own worker process
 (``w6_worker.py``), sides alternating over the reps. Both sides use the same engine
 hook and edit; prefill and decode are the engine's time, reported for context.
+
+The served model is a random-weight Llama with the KV geometry of Llama-3.2-1B (16 layers
+× 8 KV heads × 64: 32 KiB of KV per token, 64 MiB per stream; :data:`DEFAULT_KV_GEOMETRY`)
+and the test model's small hidden size, written locally like the test model.
+``--w6-kv-geometry test`` serves the test model itself (1 KiB per token: there the
+per-request work of server, engine and edit outweighs the bytes, and the floor below
+caps any client's speed-up under 5×); ``--w6-kv-geometry L,H,D`` any other geometry.
 
 A third worker per rep (``land``, ``--w6-no-land`` skips it) runs the same prefill, then
 looks every stream up until the engine's store of all of them is visible, and times the
@@ -44,6 +51,10 @@ __all__ = ["W6Sizes", "add_w6_args", "run_w6"]
 #: Targets of the issue: upstream modify time / ours, ours peak RSS growth / upstream's.
 SPEEDUP_TARGET = 5.0
 RSS_TARGET = 0.3
+#: ``(layers, kv_heads, head_dim)`` of the default model: Llama-3.2-1B's KV geometry (32 KiB
+#: of bf16 KV per token), on random weights with the test model's small hidden size, so
+#: the engine's prefill stays short while the KV has a real model's size.
+DEFAULT_KV_GEOMETRY = (16, 8, 64)
 CHUNK = 256
 
 
@@ -74,12 +85,15 @@ def add_w6_args(ap: argparse.ArgumentParser) -> None:
     g.add_argument("--w6-reps", type=int, help=f"reps per side (default {W6Sizes.reps})")
     g.add_argument("--w6-vllm-url", help="a running vLLM OpenAI server to use (with --url, "
                    "--http-url of the LMCache server it writes into and --w6-model)")
-    g.add_argument("--w6-model", help="model name of --w6-vllm-url (default: the tiny Llama)")
+    g.add_argument("--w6-model", help="model name of --w6-vllm-url, or a model directory to "
+                   "serve (default: a random-weight Llama of --w6-kv-geometry)")
     g.add_argument("--w6-kv-geometry", metavar="LAYERS,KV_HEADS,HEAD_DIM",
-                   help="write and serve a tiny Llama with this KV geometry instead of the "
-                        "test model's 2,2,64 (1 KiB of KV per token): e.g. 8,8,128 (32 KiB "
-                        "per token, 64 MiB per 2,048-token stream), where copies weigh more "
-                        "than per-request work")
+                   help="KV geometry of the random-weight Llama the bench writes and serves "
+                        f"(default {','.join(map(str, DEFAULT_KV_GEOMETRY))}, Llama-3.2-1B's: "
+                        "32 KiB of KV per token, 64 MiB per 2,048-token stream; e.g. 8,8,128 "
+                        "has the same bytes in half the layers); 'test' serves the test "
+                        "model (2,2,64: 1 KiB per token, where per-request work outweighs "
+                        "copies); default with --w6-model: that model's config.json")
     g.add_argument("--w6-kernel", help="the engine's CPU attention kernel (default: this "
                    "machine's choice for the model)")
     g.add_argument("--w6-no-upstream", action="store_true", help="skip the upstream side")
@@ -104,14 +118,43 @@ def add_w6_args(ap: argparse.ArgumentParser) -> None:
                         "more than they gain); 0 = torch's default")
 
 
-def kv_geometry(args: argparse.Namespace) -> tuple[int, int, int]:
-    """``(layers, kv_heads, head_dim)`` of the served model (the tiny model's by default)."""
+def test_model_geometry() -> tuple[int, int, int]:
+    """``(layers, kv_heads, head_dim)`` of the test model (``testing/tiny_model.py``)."""
     from lmcache_kv_fast.testing.tiny_model import TinyLlamaSpec
 
+    spec = TinyLlamaSpec()
+    return spec.num_hidden_layers, spec.num_key_value_heads, spec.head_dim
+
+
+def model_geometry(model: str) -> tuple[int, int, int] | None:
+    """``(layers, kv_heads, head_dim)`` from a model directory's ``config.json``.
+
+    Returns:
+        None if there is none or it lacks the fields.
+    """
+    try:
+        cfg = json.loads((Path(model) / "config.json").read_text())
+        heads = int(cfg.get("num_key_value_heads") or cfg["num_attention_heads"])
+        dim = int(cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"])
+        return int(cfg["num_hidden_layers"]), heads, dim
+    except (OSError, ValueError, KeyError, TypeError, ZeroDivisionError):
+        return None
+
+
+def kv_geometry(args: argparse.Namespace) -> tuple[int, int, int]:
+    """``(layers, kv_heads, head_dim)`` of the served model.
+
+    ``--w6-kv-geometry``, else that of ``--w6-model`` (its ``config.json``; the test
+    model's if it has none), else :data:`DEFAULT_KV_GEOMETRY`.
+    """
     text = getattr(args, "w6_kv_geometry", None)
     if not text:
-        spec = TinyLlamaSpec()
-        return spec.num_hidden_layers, spec.num_key_value_heads, spec.head_dim
+        model = getattr(args, "w6_model", None)
+        if model:
+            return model_geometry(model) or test_model_geometry()
+        return DEFAULT_KV_GEOMETRY
+    if text.strip().lower() == "test":
+        return test_model_geometry()
     try:
         layers, heads, dim = (int(x) for x in text.split(","))
     except ValueError:
@@ -160,10 +203,10 @@ def _engine(args: argparse.Namespace, s: W6Sizes) -> Iterator[dict[str, Any]]:
         layers, heads, dim = kv_geometry(args)
         if args.w6_model:
             model = args.w6_model
-        elif getattr(args, "w6_kv_geometry", None):
-            model = geometry_model(layers, heads, dim)
-        else:
+        elif (layers, heads, dim) == test_model_geometry():
             model = str(ensure_tiny_model())
+        else:
+            model = geometry_model(layers, heads, dim)
         kv_token_bytes = layers * 2 * heads * dim * 2  # bf16
         pgids: dict[str, int] = {}
         if args.url and args.http_url:
