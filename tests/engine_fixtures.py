@@ -21,6 +21,7 @@ import pytest
 
 from lmcache_kv_fast.testing import LMCacheServer
 from lmcache_kv_fast.testing.engine import OfflineEngine, OpenAIEngine
+from lmcache_kv_fast.testing.logtail import log_errors, log_tail
 from lmcache_kv_fast.testing.oracle import TransformersOracle
 from lmcache_kv_fast.testing.tiny_model import ensure_tiny_model
 
@@ -29,6 +30,9 @@ CHUNK = 256  # LMCache chunk size of the engine server
 ENGINE_TEST_TIMEOUT = 1200
 #: Fixtures that start a process; a test using one (directly or not) is an engine test.
 ENGINE_FIXTURES = ("engine_server", "offline_engine", "openai_engine", "oracle")
+
+#: Log lines left out of a failure's log tail (one per request).
+_NOISE = ("Engine KV Format:", '"POST /v1/completions HTTP/1.1" 200', '"GET /metrics HTTP/1.1" 200')
 
 _live: dict[str, Any] = {}  # fixture name -> started object with stop()
 _items: list[pytest.Item] = []
@@ -82,10 +86,13 @@ def engine_log_sections(item: pytest.Item) -> list[tuple[str, str]]:
         obj = _live.get(name)
         if obj is None or name not in getattr(item, "fixturenames", ()):
             continue
-        tail_fn = getattr(obj, "log_tail", None) or getattr(getattr(obj, "_child", None),
-                                                             "log_tail", None)
-        if tail_fn is not None:
-            out.append((f"{name} log (last 150 lines)", tail_fn(150)))
+        path = getattr(obj, "log_path", None) or getattr(getattr(obj, "_child", None),
+                                                         "log_path", None)
+        errors = log_errors(path)
+        if errors:  # first: a dead engine's traceback is often far from the log's end
+            out.append((f"{name} log: error reports", errors))
+        out.append((f"{name} log (last 80 lines, without access and KV-format lines)",
+                    log_tail(path, 80, drop=_NOISE)))
     return out
 
 
