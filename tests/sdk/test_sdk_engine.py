@@ -239,13 +239,13 @@ def test_openai_hook_errors_are_clear(openai_engine, model_name):
     with (HttpDelayProxy("127.0.0.1", openai_engine.port, delay=3.0) as slow,
           pytest.raises(EngineHookError, match=r"no response within 0.5s \(read timeout")):
         list(OpenAICompletions(slow.url, model=model_name, read_timeout=0.5)(
-            tokens(1800, 2), {**SP, "max_tokens": 1}, ""))
+            tokens(300, 2), {**SP, "max_tokens": 1}, ""))
     assert slow.finished == 1
     with (HttpDelayProxy("127.0.0.1", openai_engine.port, delay=3.0, hold="body") as slow,
           pytest.raises(EngineHookError, match=r"reading the stream of POST http://127.0.0.1"
                                                r".* failed: .*\(read timeout 0.5s\)")):
         list(OpenAICompletions(slow.url, model=model_name, read_timeout=0.5)(
-            tokens(1700, 4), {**SP, "max_tokens": 2}, ""))
+            tokens(300, 4), {**SP, "max_tokens": 2}, ""))
     assert slow.finished == 1
     # the same proxy with a patient hook: the held reply arrives whole
     with HttpDelayProxy("127.0.0.1", openai_engine.port, delay=1.0, hold="body") as slow:
