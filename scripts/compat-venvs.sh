@@ -27,7 +27,7 @@ digest=$( (echo "recipe $RECIPE"; cat "$pins") | sha1sum | cut -c1-12)
 smoke='import torch, lmcache, lmcache.v1.multiprocess.http_server, lmcache.sdk.kvcache'
 
 for ver in "${versions[@]}"; do
-  if ! [[ $ver =~ ^0\.5\.[0-9]+$ ]]; then
+  if ! [[ $ver =~ ^0\.5\.[0-9]+(rc[0-9]+)?$ ]]; then
     echo "[compat] not a 0.5.x version: $ver" >&2; exit 2
   fi
   venv="$ROOT/$ver"

@@ -27,7 +27,11 @@ from lmcache_kv_fast.errors import (
 from lmcache_kv_fast.layout import KVLayout, decode_status_entry, find_model_entries
 from lmcache_kv_fast.protocol.constants import DEFAULT_ALIGN_BYTES
 from lmcache_kv_fast.protocol.detect import detect_generation
-from lmcache_kv_fast.protocol.mp_config import mp_chunk_size, require_zmq_transport
+from lmcache_kv_fast.protocol.mp_config import (
+    live_chunk_size,
+    mp_chunk_size,
+    require_zmq_transport,
+)
 from lmcache_kv_fast.protocol.ops import Op
 from lmcache_kv_fast.protocol.types import (
     RegisterEngineDrivenContextPayload,
@@ -99,7 +103,9 @@ def handshake(s: SessionState, layout: KVLayout | None, world_size: int | None,
             f"another dialect than {gen.name}" + (" (newer, unverified)" if verify else "")
         )
 
-    layout, ws = _find_layout(s, http.status(), layout, world_size, engine or EngineOptions())
+    status = http.status()
+    s.chunk_size = live_chunk_size(status, s.chunk_size)
+    layout, ws = _find_layout(s, status, layout, world_size, engine or EngineOptions())
     s.layout = layout
     s.world_size = ws
     s.setup_geometry()

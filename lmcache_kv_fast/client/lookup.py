@@ -16,10 +16,12 @@ from __future__ import annotations
 import time
 from typing import TYPE_CHECKING, Any
 
+import msgspec
+
 from lmcache_kv_fast.client.late import Obligation, Settler
 from lmcache_kv_fast.errors import ProtocolError, ServerTimeoutError
 from lmcache_kv_fast.protocol.ops import Op
-from lmcache_kv_fast.protocol.types import IPCCacheServerKey
+from lmcache_kv_fast.protocol.types import CacheKey
 from lmcache_kv_fast.transport.zmq_client import Channel, PendingCall
 
 if TYPE_CHECKING:
@@ -81,7 +83,7 @@ def lookup_chunks(s: Session, ch: Channel, tokens: list[int], rid: str, salt: st
     return int(result)
 
 
-def settle_late_lookup(s: Session, ch: Channel, key: IPCCacheServerKey, rid: str,
+def settle_late_lookup(s: Session, ch: Channel, key: CacheKey, rid: str,
                        c_lookup: PendingCall | None, c_wait: PendingCall | None) -> None:
     """Retire ``ch``: finish a timed-out lookup when its late replies come.
 
@@ -95,7 +97,7 @@ def settle_late_lookup(s: Session, ch: Channel, key: IPCCacheServerKey, rid: str
     s.late.adopt(ch, ob)
 
 
-def _late_lookup(s: Session, ch: Channel, key: IPCCacheServerKey, rid: str,
+def _late_lookup(s: Session, ch: Channel, key: CacheKey, rid: str,
                  c_lookup: PendingCall | None, c_wait: PendingCall | None) -> Settler:
     if c_lookup is not None:
         try:
@@ -121,11 +123,10 @@ def _late_lookup(s: Session, ch: Channel, key: IPCCacheServerKey, rid: str,
     s.end_session(ch, rid)
 
 
-def free_locks(s: Session, ch: Channel, key: IPCCacheServerKey,
+def free_locks(s: Session, ch: Channel, key: CacheKey,
                worker_id: int | None = None) -> None:
     """Release a lookup's read locks (call before end_session)."""
-    k = IPCCacheServerKey(**{f: getattr(key, f) for f in key.__struct_fields__})
-    k.worker_id = worker_id
+    k = msgspec.structs.replace(key, worker_id=worker_id)
     s.wait_quiet(ch, ch.send(Op.FREE_LOOKUP_LOCKS, [k, s.world_size]))
 
 

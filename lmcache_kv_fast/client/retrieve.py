@@ -31,7 +31,7 @@ from lmcache_kv_fast.dataplane.pickle_fast import locate_chunks
 from lmcache_kv_fast.dataplane.pickle_plane import safe_loads_chunks
 from lmcache_kv_fast.errors import ProtocolError, ServerTimeoutError
 from lmcache_kv_fast.protocol.ops import Op
-from lmcache_kv_fast.protocol.types import IPCCacheServerKey, PrepareRetrieveResponse, Slot
+from lmcache_kv_fast.protocol.types import CacheKey, PrepareRetrieveResponse, Slot
 from lmcache_kv_fast.transport.zmq_client import Channel, PendingCall
 
 if TYPE_CHECKING:
@@ -159,7 +159,7 @@ class RetrieveFlow:
                     free_locks(s, ch, keys[r], r)
         return result
 
-    def _late(self, ch: Channel, keys: dict[int, IPCCacheServerKey], rid: str,
+    def _late(self, ch: Channel, keys: dict[int, CacheKey], rid: str,
               calls: dict[int, PendingCall], resps: dict[int, PrepareRetrieveResponse],
               ranks: list[int]) -> Settler:
         """Settle a retrieve whose ``prepare_retrieve`` timed out (see the module doc)."""

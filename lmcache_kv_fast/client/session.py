@@ -48,9 +48,10 @@ from lmcache_kv_fast.dataplane.shm import ShmPlane
 from lmcache_kv_fast.errors import ContextClosedError, KVCacheSDKError, ServerTimeoutError
 from lmcache_kv_fast.layout import CpuEngineKV, KVLayout
 from lmcache_kv_fast.protocol.constants import SDK_NUM_KV_READERS
+from lmcache_kv_fast.protocol.keys import make_key
 from lmcache_kv_fast.protocol.ops import Generation, Op
 from lmcache_kv_fast.protocol.types import (
-    IPCCacheServerKey,
+    CacheKey,
     RegisterEngineDrivenContextPayload,
 )
 from lmcache_kv_fast.results import OpTiming
@@ -349,12 +350,12 @@ class Session:
         return f"kvf-{kind}-{self.instance_id:x}-{next(self._rid_counter)}"
 
     def key(self, tokens: list[int], start: int, end: int, rid: str, salt: str,
-            worker_id: int | None) -> IPCCacheServerKey:
+            worker_id: int | None) -> CacheKey:
         """The wire key of ``tokens[start:end]`` with the calling thread's request_configs."""
-        return IPCCacheServerKey(
-            model_name=self.model_name, world_size=self.world_size, worker_id=worker_id,
-            token_ids=tokens, start=start, end=end, request_id=rid, cache_salt=salt,
-            request_configs=getattr(self.tls, "request_configs", None),
+        return make_key(
+            self.generation, model_name=self.model_name, world_size=self.world_size,
+            worker_id=worker_id, tokens=tokens, start=start, end=end, request_id=rid,
+            cache_salt=salt, request_configs=getattr(self.tls, "request_configs", None),
             num_kv_readers=SDK_NUM_KV_READERS,
         )
 

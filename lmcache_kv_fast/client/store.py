@@ -26,7 +26,7 @@ from lmcache_kv_fast.dataplane.pickle_fast import ChunkFrameBuilder
 from lmcache_kv_fast.errors import KVCacheSDKError, ProtocolError, ServerTimeoutError
 from lmcache_kv_fast.protocol import codec
 from lmcache_kv_fast.protocol.ops import Op
-from lmcache_kv_fast.protocol.types import IPCCacheServerKey, PrepareStoreResponse, Slot
+from lmcache_kv_fast.protocol.types import CacheKey, PrepareStoreResponse, Slot
 from lmcache_kv_fast.results import StoreResult
 from lmcache_kv_fast.transport.zmq_client import Channel, PendingCall
 
@@ -248,7 +248,7 @@ class StoreFlow:
         self._s.end_session(ch, rid)
 
     def _late_prepare(self, ch: Channel, src: torch.Tensor, n: int,
-                      keys: list[IPCCacheServerKey], rid: str, calls: list[PendingCall],
+                      keys: list[CacheKey], rid: str, calls: list[PendingCall],
                       resps: list[PrepareStoreResponse | None],
                       same_key: tuple[str, int, int]) -> None:
         """Retire ``ch``: fill a late reservation from a snapshot of ``src`` and commit it.
@@ -275,7 +275,7 @@ class StoreFlow:
         s.late.adopt(ch, ob)
 
     def _late_store(self, ob: Obligation, ch: Channel, snap: torch.Tensor | None, n: int,
-                    keys: list[IPCCacheServerKey], rid: str, calls: list[PendingCall],
+                    keys: list[CacheKey], rid: str, calls: list[PendingCall],
                     resps: list[PrepareStoreResponse | None]) -> Settler:
         """Settle a store whose ``prepare_store`` timed out (see :meth:`_late_prepare`)."""
         s = self._s

@@ -124,7 +124,9 @@ class _StreamIO:
         frames, self._call_uid, self._call_reply = self._call_reply, None, None
         caps = codec.decode(frames[2], list[str], what="get_experimental") \
             if len(frames) == 3 else []
-        if KV_EVENT_CAPABILITY not in caps:
+        # 0.5.7 lists only module features; a stream of a server without events then
+        # ends with its first batch (``enabled`` false).
+        if self._gen.events_capability and KV_EVENT_CAPABILITY not in caps:
             raise KVCacheSDKError(
                 f"the LMCache server at {self.url} does not record KV events (get_experimental "
                 f"= {caps!r}); start it without --kv-event-log-size 0 and without "

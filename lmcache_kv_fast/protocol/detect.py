@@ -10,9 +10,11 @@ from lmcache_kv_fast.protocol.ops import (
     GEN_053,
     GEN_055,
     GEN_056,
+    GEN_057,
     NEWEST,
     Generation,
     generation_for,
+    known_versions,
     parse_version,
 )
 
@@ -36,15 +38,19 @@ MP_MARKERS_056 = frozenset({
     "enable_blend_reorder", "grpc_server_workers", "kv_event_log_size", "null_block_id",
     "run_script_api_enabled", "server_modules", "session_ttl_seconds",
 })
-#: Every key of 0.5.6; more than these means a newer, unknown generation.
+#: Every key of 0.5.6.
 MP_KEYS_056 = MP_KEYS_051 | MP_MARKERS_053 | MP_MARKERS_055 | MP_MARKERS_056
+#: 0.5.7 drops "enable" and adds these.
+MP_MARKERS_057 = frozenset({"api_key_files", "grpc_server_mode", "kv_load_policy"})
+#: Every key of 0.5.7; more than these means a newer, unknown generation.
+MP_KEYS_057 = (MP_KEYS_056 - MP_MARKERS_053) | MP_MARKERS_057
 
 
 def detect_generation(version: str | None, mp_config: dict[str, Any]) -> tuple[Generation, bool]:
     """Pick the wire dialect of a server.
 
-    ``GET /version`` decides when it answers with a version (every server 0.5.1 .. 0.5.6
-    has it); otherwise the key set of ``/config``'s ``mp`` object does.
+    ``GET /version`` decides when it answers with a version (every server 0.5.1 .. 0.5.7
+    has it; ``"0.5.7rc2-gbf85b41f"`` is 0.5.7); otherwise the key set of ``/config``'s ``mp`` object does.
 
     Args:
         version: ``GET /version`` (None when the endpoint does not answer).
@@ -69,9 +75,11 @@ def detect_generation(version: str | None, mp_config: dict[str, Any]) -> tuple[G
             return NEWEST, True
         raise KVCacheSDKError(
             f"unsupported LMCache server version {version!r}: this SDK speaks "
-            "0.5.1 .. 0.5.6 (and tries the 0.5.6 dialect on newer servers)"
+            f"{known_versions()} (and tries the {NEWEST.name} dialect on newer servers)"
         )
     keys = set(mp_config)
+    if keys & MP_MARKERS_057:
+        return (NEWEST, True) if keys - MP_KEYS_057 else (GEN_057, False)
     if keys & MP_MARKERS_056:
         return (NEWEST, True) if keys - MP_KEYS_056 else (GEN_056, False)
     if keys & MP_MARKERS_055:
@@ -83,5 +91,5 @@ def detect_generation(version: str | None, mp_config: dict[str, Any]) -> tuple[G
     seen = "no /version" if version is None else f"/version {version!r:.60}"
     raise KVCacheSDKError(
         f"cannot tell the LMCache server generation: {seen}, and /config.mp has keys "
-        f"{sorted(keys)[:40]} (expected the keys of an LMCache MP server 0.5.1 .. 0.5.6)"
+        f"{sorted(keys)[:40]} (expected the keys of an LMCache MP server {known_versions()})"
     )

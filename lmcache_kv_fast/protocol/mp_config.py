@@ -11,7 +11,7 @@ from typing import Any
 
 from lmcache_kv_fast.errors import KVCacheSDKError, ProtocolError
 
-__all__ = ["mp_chunk_size", "require_zmq_transport"]
+__all__ = ["live_chunk_size", "mp_chunk_size", "require_zmq_transport"]
 
 
 def mp_chunk_size(mp: Mapping[str, Any]) -> int:
@@ -23,6 +23,24 @@ def mp_chunk_size(mp: Mapping[str, Any]) -> int:
     v = mp.get("chunk_size")
     if type(v) is not int or v <= 0:
         raise ProtocolError(f"/config mp.chunk_size: expected a positive integer, got {v!r:.60}")
+    return v
+
+
+def live_chunk_size(status: Mapping[str, Any], configured: int) -> int:
+    """The chunk size the server uses now: ``/status`` ``chunk_size`` when it has one.
+
+    A 0.5.7 server rounds ``--chunk-size`` up when an engine negotiates an alignment; its
+    ``/config`` keeps the configured value, ``/status`` has the live one. Reading it does
+    not freeze it (``get_chunk_size`` would).
+
+    Raises:
+        ProtocolError: ``/status`` has a ``chunk_size`` that is not a positive int.
+    """
+    v = status.get("chunk_size") if isinstance(status, Mapping) else None
+    if v is None:
+        return configured
+    if type(v) is not int or v <= 0:
+        raise ProtocolError(f"/status chunk_size: expected a positive integer, got {v!r:.60}")
     return v
 
 

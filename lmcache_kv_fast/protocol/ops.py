@@ -9,9 +9,10 @@ from __future__ import annotations
 
 import enum
 import re
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from types import MappingProxyType
+from typing import Any
 
 
 class Op(str, enum.Enum):
@@ -36,6 +37,7 @@ class Op(str, enum.Enum):
     NOOP = "noop"
     GET_EXPERIMENTAL = "get_experimental"
     SUBSCRIBE_KV_EVENTS = "subscribe_kv_events"
+    NEGOTIATE_CHUNK_SIZE = "negotiate_chunk_size"
 
 
 # 0.5.3 .. 0.5.6 legacy integer table (0.5.6 `wire.py`); ops added later have names only.
@@ -93,6 +95,16 @@ class Generation:
         clear_takes_force: Whether ``clear`` takes the ``force`` bool payload.
         requires_num_kv_readers: Whether lookups reject keys without ``num_kv_readers``.
         ipc_wrapper_ext: Whether ``register_kv_cache`` descriptors are msgpack ext (else pickle).
+        token_bytes_keys: Whether keys carry ``token_bytes`` (packed big-endian uint32)
+            instead of ``token_ids`` (0.5.7).
+        trailing_payloads: Payloads appended to an operation's own ones: later servers
+            grew some signatures by defaulted arguments that must still be sent, since the
+            server checks the payload count exactly (0.5.7's ``skipped_chunks`` /
+            ``extra_ranges``).
+        inline_envelope: Whether the non-SHM plane speaks msgpack ``TensorEnvelope``
+            (0.5.7) instead of pickled tensor lists.
+        events_capability: Whether ``get_experimental`` lists ``"kv_event_stream"`` when
+            the server publishes KV events (0.5.6 only: 0.5.7 lists module features).
     """
 
     name: str
@@ -102,6 +114,16 @@ class Generation:
     clear_takes_force: bool = True
     requires_num_kv_readers: bool = True
     ipc_wrapper_ext: bool = True
+    token_bytes_keys: bool = False
+    trailing_payloads: Mapping[Op, tuple[Any, ...]] = field(
+        default_factory=lambda: MappingProxyType({}))
+    inline_envelope: bool = False
+    events_capability: bool = False
+
+    def payloads(self, op: Op, payloads: Sequence[Any]) -> Sequence[Any]:
+        """``payloads`` of ``op`` with this generation's trailing defaults appended."""
+        extra = self.trailing_payloads.get(op)
+        return payloads if extra is None else (*payloads, *extra)
 
     def supports(self, op: Op) -> bool:
         """Return whether this generation understands ``op``."""
@@ -148,11 +170,28 @@ GEN_056 = Generation(
     versions=("0.5.6",),
     op_ids=MappingProxyType(_IDS_053),
     named_ops=frozenset({Op.GET_EXPERIMENTAL, Op.SUBSCRIBE_KV_EVENTS}),
+    events_capability=True,
+)
+GEN_057 = Generation(
+    name="0.5.7",
+    versions=("0.5.7",),
+    op_ids=MappingProxyType(_IDS_053),
+    named_ops=frozenset({Op.GET_EXPERIMENTAL, Op.SUBSCRIBE_KV_EVENTS,
+                         Op.NEGOTIATE_CHUNK_SIZE}),
+    token_bytes_keys=True,
+    # prepare_store(key, iid, skipped_chunks=()), free_lookup_locks(key, tp, extra_ranges=())
+    trailing_payloads=MappingProxyType({Op.PREPARE_STORE: ((),), Op.FREE_LOOKUP_LOCKS: ((),)}),
+    inline_envelope=True,
 )
 
 #: Known generations, oldest first. The newest is tried for unknown newer servers.
-GENERATIONS: tuple[Generation, ...] = (GEN_051, GEN_053, GEN_055, GEN_056)
-NEWEST = GEN_056
+GENERATIONS: tuple[Generation, ...] = (GEN_051, GEN_053, GEN_055, GEN_056, GEN_057)
+NEWEST = GEN_057
+
+
+def known_versions() -> str:
+    """The server versions this SDK speaks, for error messages (``"0.5.1 .. 0.5.7"``)."""
+    return f"{GENERATIONS[0].versions[0]} .. {NEWEST.versions[-1]}"
 
 
 def generation_for(version: str) -> Generation | None:

@@ -24,6 +24,25 @@ class IPCCacheServerKey(msgspec.Struct, kw_only=True):
     num_kv_readers: int = 1
 
 
+class PackedTokensKey(msgspec.Struct, kw_only=True):
+    """0.5.7's cache key: the tokens as ``token_bytes``, big-endian uint32 each (§4.1)."""
+
+    model_name: str
+    world_size: int
+    worker_id: int | None
+    token_bytes: bytes
+    start: int
+    end: int
+    request_id: str
+    cache_salt: str = ""
+    request_configs: dict | None = None
+    num_kv_readers: int = 1
+
+
+#: A key of either dialect (``Generation.token_bytes_keys`` picks one).
+CacheKey = IPCCacheServerKey | PackedTokensKey
+
+
 class RegisterEngineDrivenContextPayload(msgspec.Struct, kw_only=True):
     """Payload of ``register_kv_cache_engine_driven_context`` (docs/protocol.md §4.2)."""
 
@@ -43,6 +62,7 @@ class RegisterEngineDrivenContextResponse(msgspec.Struct, kw_only=True):
 
     shm_name: str = ""
     pool_size: int = 0
+    null_block_id: int = 0  # 0.5.7; single-group clients ignore it
 
 
 class Slot(msgspec.Struct, kw_only=True):

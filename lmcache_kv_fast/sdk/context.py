@@ -40,7 +40,7 @@ from lmcache_kv_fast.errors import (
     LMCacheSDKError,
 )
 from lmcache_kv_fast.layout import KVLayout
-from lmcache_kv_fast.protocol.mp_config import mp_chunk_size
+from lmcache_kv_fast.protocol.mp_config import live_chunk_size, mp_chunk_size
 from lmcache_kv_fast.results import StoreResult
 from lmcache_kv_fast.sdk.cache_kind import LMCacheSDKCacheKind
 from lmcache_kv_fast.sdk.qlayout import query_layout
@@ -148,8 +148,9 @@ class LMCacheSDKContext:
     def _query_geometry(self, name: str) -> tuple[KVLayout, int]:
         http = HttpInfoClient(self._http_url.rstrip("/"), min(float(self._timeout),
                                                                CONNECT_PROBE_TIMEOUT_S))
-        chunk = mp_chunk_size(http.config()["mp"])
-        return query_layout(http.status(), name, chunk, self._http_url)
+        status = http.status()
+        chunk = live_chunk_size(status, mp_chunk_size(http.config()["mp"]))
+        return query_layout(status, name, chunk, self._http_url)
 
     @property
     def kv_context(self) -> LMCacheKVCacheContext:

@@ -109,12 +109,13 @@ class Channel:
             ContextClosedError: The client is closed.
             KeyError: The server generation does not have ``op`` (never sent).
         """
-        op_value = self._client.generation.op_frame_value(op)
+        gen = self._client.generation
+        op_value = gen.op_frame_value(op)
         uid = next(_UIDS)
         uid_frame = codec.encode(uid)
         op_frame = codec.encode(op_value)
         frames: list[Any] = [uid_frame, op_frame]
-        frames.extend(codec.encode(p) for p in payloads)
+        frames.extend(codec.encode(p) for p in gen.payloads(op, payloads))
         frames.extend(raw)
         # Never fewer than 2 frames: a 1-frame message kills the server's loop (docs/protocol.md §2.7).
         assert len(frames) >= 2
