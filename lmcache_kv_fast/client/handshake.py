@@ -67,7 +67,7 @@ def handshake(s: SessionState, layout: KVLayout | None, world_size: int | None,
         KVCacheSDKError: The server cannot be used (see the message for why).
     """
     probe = min(s.timeout, CONNECT_PROBE_TIMEOUT_S)
-    http = HttpInfoClient(s.http_url, probe)
+    http = HttpInfoClient(s.http_url, probe, s.api_key)
     cfg = http.config()
     mp = cfg["mp"]
     s.chunk_size = mp_chunk_size(mp)
