@@ -150,6 +150,7 @@ class EnvelopeFrameBuilder:
                       _str("data"), _hdr("bin", self.nbytes))
         self.align, self._head = align, b""
         self._set_align(align)
+        self._leads: dict[int, bytes] = {}  # frame heads by chunk count
         self._idle: list[bytearray] = []
         self._idle_lock = threading.Lock()
 
@@ -206,7 +207,11 @@ class EnvelopeFrameBuilder:
                 f"most {ENVELOPE_MAX_TENSORS} tensors and {ENVELOPE_MAX_TOTAL_BYTES} bytes "
                 "per commit_store")
         with self._idle_lock:  # _frame_head may lower align / change _head (once)
-            lead = self._frame_head(n)
+            lead = self._leads.get(n)
+            if lead is None:
+                if len(self._leads) >= 64:
+                    self._leads.clear()
+                lead = self._leads[n] = self._frame_head(n)
             head, align = self._head, self.align
         size = len(lead) + n * self.nbytes + max(0, n - 1) * len(head)
         backing = self._take(size + align)
