@@ -149,8 +149,8 @@ class EnvelopeFrameBuilder:
                       _hdr("array", len(self.shape)), *(_hdr("uint", d) for d in self.shape),
                       _str("data"), _hdr("bin", self.nbytes))
         self.align, self._head = align, b""
-        self._set_align(align)
         self._leads: dict[int, bytes] = {}  # frame heads by chunk count
+        self._set_align(align)
         self._idle: list[bytearray] = []
         self._idle_lock = threading.Lock()
 
@@ -165,6 +165,7 @@ class EnvelopeFrameBuilder:
             logger.debug("inline envelope: %s chunks aligned to %d bytes, not %d",
                          list(self.shape), align, self.align)
         self.align, self._head = align, head
+        self._leads.clear()  # built for the old alignment
 
     def _lead(self, n: int, outer: int) -> bytes | None:
         """The envelope's start through the first tensor's header (None: no room to align).
@@ -233,7 +234,7 @@ class EnvelopeFrameBuilder:
             fits = [b for b in self._idle if need <= len(b) <= 2 * need]
             if fits:
                 backing = min(fits, key=len)
-                self._idle.remove(backing)
+                self._idle = [b for b in self._idle if b is not backing]  # not by value
                 return backing
         return bytearray(need)
 

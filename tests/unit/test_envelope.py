@@ -272,3 +272,19 @@ def test_fuzzed_envelopes_raise_only_protocol_errors():
         assert all(o >= 0 and o + n <= len(data) and n == 128 for o, n in spans)
         assert msgspec.msgpack.decode(bytes(data), type=TensorEnvelope).version == 1
     assert 0 < accepted < 3000
+
+
+def test_lower_alignment_when_the_first_header_has_no_room(monkeypatch):
+    """The fallback (never seen with real shapes): align halves, cached frame heads go."""
+    b = EnvelopeFrameBuilder(SHAPE, DTYPE)
+    assert b.align == 64
+    b.build(2)  # a cached frame head for 2 chunks at 64
+    real = b._lead
+    monkeypatch.setattr(b, "_lead", lambda n, outer: None if b.align == 64 else real(n, outer))
+    for n in (3, 2):
+        _backing, frame, offsets = b.build(n)
+        assert b.align == 32
+        base = torch.frombuffer(frame, dtype=torch.uint8).data_ptr()
+        assert all((base + o) % 32 == 0 for o in offsets)
+        env = msgspec.msgpack.decode(msgspec.msgpack.decode(frame), type=TensorEnvelope)
+        assert len(env.tensors) == n and all(len(t.data) == 128 for t in env.tensors)
