@@ -14,8 +14,9 @@
   replies (``transport/releases.py``); ``client/read_hints.py`` may gather while the
   server answers ``prepare_retrieve``.
 * ``client/store.py``: ``prepare_store`` (one per shard) → scatter → ``commit_store``
-  (+ ``end_session``), or on the pickle plane a single ``commit_store`` with the pickled
-  chunks; lookups tell "already cached" from "L1 full" (docs/protocol.md §11 #10).
+  (+ ``end_session``), or without SHM a single ``commit_store`` carrying the chunks
+  (pickled; a msgpack envelope on 0.5.7); lookups tell "already cached" from "L1 full"
+  (docs/protocol.md §11 #10).
 
 Results are :class:`~lmcache_kv_fast.results.StoreResult` and
 :class:`~lmcache_kv_fast.results.OpTiming`.
@@ -234,7 +235,7 @@ class LMCacheKVCacheContext:
 
     @property
     def transport(self) -> str:
-        """Data plane: ``"shm"`` or ``"pickle"``."""
+        """Data plane: ``"shm"``, or ``"pickle"`` for the inline one (a msgpack envelope on 0.5.7)."""
         return self._session.transport
 
     @property
