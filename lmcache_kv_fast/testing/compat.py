@@ -1,4 +1,4 @@
-"""Compatibility-matrix helpers: every real LMCache MP server 0.5.1 .. 0.5.6 and its own SDK.
+"""Compatibility-matrix helpers: every real LMCache MP server 0.5.1 .. 0.5.7rc2 and its own SDK.
 
 * :func:`venv_python` finds the interpreter that has a given ``lmcache`` version
   (``.venv-compat/<ver>`` made by ``scripts/compat-venvs.sh``; 0.5.6 is also found in the
@@ -9,7 +9,10 @@
   registers a vLLM-like HND CPU layout with that version's transfer context (0.5.1 .. 0.5.5
   take pickled IPC wrappers, so only their own client can), and stores / retrieves with that
   version's ``lmcache.sdk.kvcache`` (module functions in 0.5.1/0.5.2, context methods from
-  0.5.3 on). Tensors travel through ``torch.save`` files in a work directory.
+  0.5.3 on; 0.5.7's builds ``token_bytes`` keys itself). Tensors travel through
+  ``torch.save`` files in a work directory.
+* :func:`suite_server_kwargs` reads ``LMCACHE_KV_FAST_TEST_SERVER``: the server version the
+  test suite's main server fixtures start (default: the main venv's 0.5.6).
 
 This file is also the child's program: ``python -I compat.py --worker URL HTTP_URL`` runs
 the worker loop (one JSON request per line on stdin, one JSON reply per line on stdout). So
@@ -36,9 +39,14 @@ if TYPE_CHECKING:  # pragma: no cover
     from lmcache_kv_fast.testing.server import LMCacheServer
 
 #: Every server version of the compatibility matrix, oldest first.
-ALL_VERSIONS: tuple[str, ...] = ("0.5.1", "0.5.2", "0.5.3", "0.5.4", "0.5.5", "0.5.6")
-#: The version of the main venv (always tested; the others only with ``-m compat``).
+ALL_VERSIONS: tuple[str, ...] = (
+    "0.5.1", "0.5.2", "0.5.3", "0.5.4", "0.5.5", "0.5.6", "0.5.7rc2")
+#: The version of the main venv (its server is the default test server).
 MAIN_VERSION = "0.5.6"
+#: Versions whose matrix rows run in the default suite (the others only with ``-m compat``).
+DEFAULT_VERSIONS: tuple[str, ...] = ("0.5.6", "0.5.7rc2")
+#: Environment variable naming the server version the suite's main fixtures start.
+TEST_SERVER_ENV = "LMCACHE_KV_FAST_TEST_SERVER"
 #: Where ``scripts/compat-venvs.sh`` puts the per-version venvs (``LMCACHE_COMPAT_VENVS``).
 REPO_ROOT = Path(__file__).resolve().parents[2]
 SERVER_ENV = {
@@ -101,6 +109,32 @@ def compat_server(version: str, *, shm: bool, **kw: Any) -> LMCacheServer:
     if py is None:
         raise FileNotFoundError(missing_venv_hint(version))
     return LMCacheServer(shm=shm, python=py, version=version, **kw)
+
+
+def suite_server_version() -> str:
+    """The server version the test suite runs against (``LMCACHE_KV_FAST_TEST_SERVER``).
+
+    Unset or empty means :data:`MAIN_VERSION` (the main venv's server).
+    """
+    return os.environ.get(TEST_SERVER_ENV, "").strip() or MAIN_VERSION
+
+
+def suite_server_kwargs() -> dict[str, Any]:
+    """``LMCacheServer`` arguments that start the suite's server version.
+
+    Empty for the main venv's own server; ``python``/``version`` of the version's venv
+    (``.venv-compat/<ver>``, ``LMCACHE_COMPAT_VENVS``) otherwise.
+
+    Raises:
+        FileNotFoundError: No venv has that version (the message says how to make one).
+    """
+    version = suite_server_version()
+    if version == MAIN_VERSION and _installed_lmcache(sys.executable) == version:
+        return {}
+    py = venv_python(version)
+    if py is None:
+        raise FileNotFoundError(f"{TEST_SERVER_ENV}={version}: {missing_venv_hint(version)}")
+    return {"python": py, "version": version}
 
 
 class TheirSDKError(RuntimeError):
@@ -292,8 +326,8 @@ def _register_hnd(url: str, http_url: str, req: dict[str, Any], keep: list[Any])
 
     Three API shapes exist: 0.5.1-0.5.4 ``register(iid, kv, model, ws, bic, mq_client,
     timeout, send_request, ...)``; 0.5.5 ``register(iid, kv, model, ws, bic, req_client,
-    timeout, ...)``; 0.5.6 binds ``instance_id``/``req_client`` in
-    ``create_transfer_context`` and takes ``register(kv, model, ws, bic, timeout, ...)``.
+    timeout, ...)``; 0.5.6 and 0.5.7 bind ``instance_id``/``req_client`` in
+    ``create_transfer_context`` and take ``register(kv, model, ws, bic, timeout, ...)``.
     """
     import inspect
     import secrets
@@ -304,8 +338,13 @@ def _register_hnd(url: str, http_url: str, req: dict[str, Any], keep: list[Any])
     from lmcache.v1.multiprocess.group_view import EngineGroupInfo
     from lmcache.v1.multiprocess.transfer_context import worker_transfer as wt
 
-    with urllib.request.urlopen(f"{http_url}/config", timeout=10) as resp:
-        chunk_size = int(json.loads(resp.read())["mp"]["chunk_size"])
+    # /status has the live (0.5.7: negotiated) chunk size; /config only the flag's value
+    with urllib.request.urlopen(f"{http_url}/status", timeout=10) as resp:
+        chunk_size = json.loads(resp.read()).get("chunk_size")
+    if chunk_size is None:  # 0.5.1 .. 0.5.5
+        with urllib.request.urlopen(f"{http_url}/config", timeout=10) as resp:
+            chunk_size = json.loads(resp.read())["mp"]["chunk_size"]
+    chunk_size = int(chunk_size)
     nl, nh, hs = req["num_layers"], req["num_kv_heads"], req["head_size"]
     bs, nb = req["block_size"], req["num_blocks"]
     dtype = getattr(torch, req["dtype"])
@@ -318,7 +357,7 @@ def _register_hnd(url: str, http_url: str, req: dict[str, Any], keep: list[Any])
     bic = chunk_size // bs
     timeout = 30.0
     zctx = zmq.Context()
-    if "req_client" in inspect.signature(wt.create_transfer_context).parameters:  # 0.5.6
+    if "req_client" in inspect.signature(wt.create_transfer_context).parameters:  # 0.5.6+
         from lmcache.v1.multiprocess.transport.factory import RequestClientFactory
 
         client = RequestClientFactory.create(url, context=zctx)

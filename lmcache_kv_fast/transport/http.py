@@ -120,15 +120,18 @@ class HttpInfoClient:
     Args:
         base_url: e.g. ``http://127.0.0.1:8080`` (no path).
         timeout: Seconds a whole request may take (connect, send, headers and body).
+        api_key: Key of a key-protected server (0.5.7+), sent as ``Authorization: Bearer``
+            on every request; None sends none.
 
     Raises:
         InvalidArgumentError: ``base_url`` is not an HTTP URL (``transport/urls.py``).
     """
 
-    def __init__(self, base_url: str, timeout: float) -> None:
+    def __init__(self, base_url: str, timeout: float, api_key: str | None = None) -> None:
         self.base_url = base_url.rstrip("/")
         self.timeout = timeout
         self._ep = parse_http_url(self.base_url, "http_url")
+        self._auth = f"Bearer {api_key}" if api_key else None
 
     def _request(self, method: str, path: str, body: Any = None, *,
                  missing_ok: bool = False, timeout: float | None = None) -> Any:
@@ -137,6 +140,8 @@ class HttpInfoClient:
         deadline = time.monotonic() + budget
         data = None if body is None else json.dumps(body).encode()
         headers = {"Accept": "application/json"}
+        if self._auth is not None:
+            headers["Authorization"] = self._auth
         if data is not None:
             headers["Content-Type"] = "application/json"
         cls = _TLSConnection if self._ep.scheme == "https" else _Connection

@@ -9,7 +9,7 @@ import time
 
 import pytest
 import torch
-from conftest import make_model, rand_tokens, unique_model_name
+from conftest import make_model, new_server, rand_tokens, unique_model_name
 
 import lmcache_kv_fast as lkf
 import lmcache_kv_fast.kvcache as lmc_sdk
@@ -159,10 +159,8 @@ def test_lookup_moves_no_data_and_releases(server):
 
 def test_honest_store_when_l1_full():
     """L1 full: store returns False (upstream: pickle says True, SHM cannot tell)."""
-    from lmcache_kv_fast.testing import LMCacheServer
-
     for shm in (True, False):
-        with LMCacheServer(shm=shm, l1_size_gb=0.0625) as srv:  # 64 MiB
+        with new_server(shm=shm, l1_size_gb=0.0625) as srv:  # 64 MiB
             m = make_model(srv, num_layers=4, num_kv_heads=8, head_size=128)  # 4 MiB / chunk
             with lmc_sdk.connect(srv.url, srv.http_url, m.name) as ctx:
                 toks = rand_tokens(20 * C, seed=6)  # 80 MiB > L1
@@ -189,10 +187,8 @@ def test_instance_ids_random_63_bit(server_shm):
 def test_heartbeat_keeps_idle_client_alive():
     """Server with a 30 s reap timeout: an idle client that pings survives > 40 s; a client
     whose heartbeat stopped (as if dead) is reaped."""
-    from lmcache_kv_fast.testing import LMCacheServer
-
-    with LMCacheServer(shm=True, l1_size_gb=0.25,
-                       extra_args=["--worker-reap-timeout-seconds", "30"]) as srv:
+    with new_server(shm=True, l1_size_gb=0.25,
+                    extra_args=["--worker-reap-timeout-seconds", "30"]) as srv:
         m = make_model(srv, num_layers=2, num_kv_heads=2, head_size=64)
         alive = lmc_sdk.connect(srv.url, srv.http_url, m.name)
         dead = lmc_sdk.connect(srv.url, srv.http_url, m.name)
