@@ -317,12 +317,76 @@ class TheirSDK:
         """That version's ``close``."""
         self._call("close", ctx=handle)
 
+    def register_nhd(self, model_name: str, *, num_layers: int, num_kv_heads: int,
+                     head_size: int, block_size: int = 16, num_blocks: int = 4) -> int:
+        """Register a vLLM-like NHD CPU layout ``NL x [2, NB, BS, NH, HS]`` (bf16, random).
+
+        Returns:
+            The registration's instance id (for :meth:`lmc_store` / :meth:`unregister`).
+        """
+        return int(self._call(
+            "register", model=model_name, num_layers=num_layers, num_kv_heads=num_kv_heads,
+            head_size=head_size, dtype="bfloat16", block_size=block_size,
+            num_blocks=num_blocks, layout="NHD",
+        ))
+
+    def lmc_store(self, iid: int, tokens: list[int]) -> None:
+        """Store ``tokens`` the engine's way, then end the session.
+
+        The registration's first blocks go through ``submit_store`` of that version's
+        transfer context (what the server announces as ``stored`` KV events).
+        """
+        self._call("lmc_store", iid=iid, tokens=list(tokens))
+
+    def unregister(self, iid: int) -> None:
+        """Unregister the registration ``iid`` (that version's ``unregister``)."""
+        self._call("unregister", iid=iid)
+
+
+class TheirContext:
+    """That version's ``lmcache.sdk.kvcache`` context, in a child process of its venv.
+
+    The upstream oracle for a server the running interpreter's ``lmcache`` cannot talk to.
+
+    Offers ``store(kv, tokens, cache_salt)``, ``retrieve(tokens, cache_salt)`` and
+    ``close()`` like upstream's context; ``close`` also stops the child.
+    """
+
+    def __init__(self, version: str, url: str, http_url: str, model_name: str,
+                 timeout: float = 30.0) -> None:
+        import tempfile
+
+        self._workdir = Path(tempfile.mkdtemp(prefix=f"lmckvf-their-{version}-"))
+        self.sdk = TheirSDK(version, url, http_url, self._workdir).start()
+        try:
+            self._h = self.sdk.connect(model_name, timeout)
+        except BaseException:
+            self.close()
+            raise
+
+    def store(self, kv: torch.Tensor, tokens: list[int], cache_salt: str = "") -> bool:
+        """That version's ``store``."""
+        return self.sdk.store(self._h, kv, tokens, cache_salt)
+
+    def retrieve(self, tokens: list[int], cache_salt: str = "") -> torch.Tensor | None:
+        """That version's ``retrieve``."""
+        return self.sdk.retrieve(self._h, tokens, cache_salt)
+
+    def close(self) -> None:
+        """Stop the child and remove its work directory. Idempotent."""
+        import shutil
+
+        self.sdk.stop()
+        shutil.rmtree(self._workdir, ignore_errors=True)
+
 
 # ------------------------------------------------------------------------------------------
 # The child side. Runs inside the other version's venv; imports only that lmcache.
 # ------------------------------------------------------------------------------------------
 def _register_hnd(url: str, http_url: str, req: dict[str, Any], keep: list[Any]) -> int:
     """Register ``NL x [2, NB, NH, BS, HS]`` CPU tensors through lmcache's transfer context.
+
+    ``layout="NHD"`` registers ``[2, NB, BS, NH, HS]`` (random bf16) instead.
 
     Three API shapes exist: 0.5.1-0.5.4 ``register(iid, kv, model, ws, bic, mq_client,
     timeout, send_request, ...)``; 0.5.5 ``register(iid, kv, model, ws, bic, req_client,
@@ -348,9 +412,12 @@ def _register_hnd(url: str, http_url: str, req: dict[str, Any], keep: list[Any])
     nl, nh, hs = req["num_layers"], req["num_kv_heads"], req["head_size"]
     bs, nb = req["block_size"], req["num_blocks"]
     dtype = getattr(torch, req["dtype"])
-    kv = {f"model.layers.{i}.self_attn.attn": torch.zeros(2, nb, nh, bs, hs, dtype=dtype)
+    nhd = req.get("layout") == "NHD"
+    shape = (2, nb, bs, nh, hs) if nhd else (2, nb, nh, bs, hs)
+    kv = {f"model.layers.{i}.self_attn.attn":
+          torch.randn(shape).to(dtype) if nhd else torch.zeros(shape, dtype=dtype)
           for i in range(nl)}
-    hints = {"kv_layout": "HND"}
+    hints = {"kv_layout": "NHD" if nhd else "HND"}
     groups = [EngineGroupInfo(engine_group_id=0, layer_indices=tuple(range(nl)),
                               tokens_per_block=bs)]
     iid = secrets.randbits(31) + 1
@@ -381,8 +448,40 @@ def _register_hnd(url: str, http_url: str, req: dict[str, Any], keep: list[Any])
             client = RequestClientFactory.create(url, context=zctx)
             tctx.register(iid, kv, req["model"], 1, bic, client, timeout, layout_hints=hints,
                           engine_group_infos=groups)
-    keep.append((kv, tctx, client, zctx))
+    keep.append({"iid": iid, "model": req["model"], "kv": kv, "tctx": tctx, "client": client,
+                 "zctx": zctx, "bic": bic, "bs": bs})
     return iid
+
+
+def _lmc_store(req: dict[str, Any], keep: list[Any]) -> None:
+    """``submit_store`` of registration ``req["iid"]`` (0.5.6+), then ``end_session``."""
+    import secrets
+
+    from lmcache.v1.multiprocess.custom_types import IPCCacheServerKey
+
+    reg = next(k for k in keep if k["iid"] == req["iid"])
+    tctx, bs = reg["tctx"], reg["bs"]
+    tokens = req["tokens"]
+    fields: dict[str, Any] = dict(
+        model_name=reg["model"], world_size=1, worker_id=0, start=0, end=len(tokens),
+        request_id=f"lmc-{secrets.token_hex(4)}", cache_salt="", num_kv_readers=1)
+    if hasattr(IPCCacheServerKey, "from_token_ids"):  # 0.5.7: token_bytes keys
+        key = IPCCacheServerKey.from_token_ids(token_ids=tokens, **fields)
+    else:
+        key = IPCCacheServerKey(token_ids=tokens, **fields)
+    fut = tctx.submit_store(key.request_id, key, reg["kv"], [list(range(len(tokens) // bs))],
+                            tctx.create_recorded_event(), reg["bic"])
+    if fut.result(timeout=20) is None:
+        raise RuntimeError("submit_store got no result")
+    reg["client"].end_session(key.request_id).result(timeout=10)
+
+
+def _unregister(req: dict[str, Any], keep: list[Any]) -> None:
+    entry = next(k for k in keep if k["iid"] == req["iid"])
+    fut = entry["tctx"].unregister()
+    if fut is not None:
+        fut.result(timeout=5)
+    keep.remove(entry)
 
 
 def _worker(url: str, http_url: str) -> int:  # pragma: no cover - runs in the child
@@ -407,6 +506,10 @@ def _worker(url: str, http_url: str) -> int:  # pragma: no cover - runs in the c
             return md.version("lmcache")
         if cmd == "register":
             return _register_hnd(url, http_url, req, keep)
+        if cmd == "lmc_store":
+            return _lmc_store(req, keep)
+        if cmd == "unregister":
+            return _unregister(req, keep)
         if cmd == "connect":
             h = next(handles)
             ctxs[h] = sdk.connect(url, http_url, req["model"], timeout=req["timeout"])
