@@ -283,9 +283,13 @@ class TheirSDK:
             head_size=head_size, dtype=dtype, block_size=block_size, num_blocks=num_blocks,
         ))
 
-    def connect(self, model_name: str, timeout: float = 30.0) -> int:
-        """``lmcache.sdk.kvcache.connect``; returns a handle for the other calls."""
-        return int(self._call("connect", model=model_name, timeout=timeout))
+    def connect(self, model_name: str, timeout: float = 30.0, kind: str = "kv") -> int:
+        """``lmcache.sdk.kvcache.connect`` (``kind="query"``: ``lmcache.sdk.qcache``'s, 0.5.6+).
+
+        Returns:
+            A handle for the other calls.
+        """
+        return int(self._call("connect", model=model_name, timeout=timeout, kind=kind))
 
     def store(self, handle: int, kv: torch.Tensor, tokens: list[int], cache_salt: str = "") -> bool:
         """That version's ``store(kv, tokens, cache_salt)``."""
@@ -353,13 +357,13 @@ class TheirContext:
     """
 
     def __init__(self, version: str, url: str, http_url: str, model_name: str,
-                 timeout: float = 30.0) -> None:
+                 timeout: float = 30.0, kind: str = "kv") -> None:
         import tempfile
 
         self._workdir = Path(tempfile.mkdtemp(prefix=f"lmckvf-their-{version}-"))
         self.sdk = TheirSDK(version, url, http_url, self._workdir).start()
         try:
-            self._h = self.sdk.connect(model_name, timeout)
+            self._h = self.sdk.connect(model_name, timeout, kind)
         except BaseException:
             self.close()
             raise
@@ -512,7 +516,9 @@ def _worker(url: str, http_url: str) -> int:  # pragma: no cover - runs in the c
             return _unregister(req, keep)
         if cmd == "connect":
             h = next(handles)
-            ctxs[h] = sdk.connect(url, http_url, req["model"], timeout=req["timeout"])
+            mod = importlib.import_module("lmcache.sdk.qcache") \
+                if req.get("kind") == "query" else sdk
+            ctxs[h] = mod.connect(url, http_url, req["model"], timeout=req["timeout"])
             return h
         if cmd == "store":
             kv = torch.load(req["kv"], weights_only=True)
