@@ -187,8 +187,7 @@ class LMCacheServer:
         self._own_key_file = False
         if api_key is None and api_key_file is None:
             return
-        parsed = parse_version(self.version) if self.version is not None else None
-        if parsed is None or parsed < (0, 5, 7):
+        if not self.is_057:
             raise ValueError(
                 f"api_key/api_key_file need an LMCache 0.5.7+ server (--api-key-file); "
                 f"this one is {self.version or 'the running venv (0.5.6)'}")
