@@ -16,7 +16,15 @@ import pytest
 from lmcache_kv_fast.errors import KVCacheSDKError
 from lmcache_kv_fast.protocol.ops import Op
 from lmcache_kv_fast.testing import LMCacheServer
-from lmcache_kv_fast.testing.compat import compat_server, missing_venv_hint, venv_python
+from lmcache_kv_fast.testing.compat import (
+    MAIN_VERSION,
+    TEST_SERVER_ENV,
+    compat_server,
+    missing_venv_hint,
+    suite_server_kwargs,
+    suite_server_version,
+    venv_python,
+)
 from lmcache_kv_fast.testing.query_export import QUERY_SERVER_ARGS, query_server_kwargs
 from lmcache_kv_fast.testing.server import QSTORE_MODULE, zmq_noop
 from lmcache_kv_fast.transport.http import HttpInfoClient
@@ -52,6 +60,19 @@ def test_command_lines_per_version():
         LMCacheServer(api_key="k")  # 0.5.6 has no API keys
     with pytest.raises(ValueError, match="transport"):
         LMCacheServer(version=V057, transport="http")
+
+
+def test_suite_server_switch(monkeypatch: pytest.MonkeyPatch, tmp_path: Path):
+    monkeypatch.delenv(TEST_SERVER_ENV, raising=False)
+    assert suite_server_version() == MAIN_VERSION and suite_server_kwargs() == {}
+    py057 = venv_python(V057)
+    if py057 is not None:
+        monkeypatch.setenv(TEST_SERVER_ENV, V057)
+        assert suite_server_kwargs() == {"python": py057, "version": V057}
+    monkeypatch.setenv(TEST_SERVER_ENV, "0.5.4")
+    monkeypatch.setenv("LMCACHE_COMPAT_VENVS", str(tmp_path))  # no venv there
+    with pytest.raises(FileNotFoundError, match="compat-venvs.sh 0.5.4"):
+        suite_server_kwargs()
 
 
 @needs_057
