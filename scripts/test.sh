@@ -19,12 +19,12 @@ LMCACHE_KV_FAST_BACKEND=torch $PYTEST -q -m "not compat" -p no:cacheprovider \
   tests/integration/test_roundtrip.py tests/integration/test_interop.py \
   tests/integration/test_beyond.py tests/integration/test_read_hints.py \
   -k "not heartbeat and not stress and not l1_full" "$@"
-echo "[test] LMCache 0.5.7rc2 server (the core integration tests again, LMCACHE_KV_FAST_TEST_SERVER)"
-# SHM plane only until the 0.5.7 inline plane (TensorEnvelope) is merged: then drop
-# "not pickle and" from the filter.
+echo "[test] LMCache 0.5.7rc2 server (core integration, sdk and engine tests again, LMCACHE_KV_FAST_TEST_SERVER)"
+# The engine runs 0.5.7rc2's LMCacheMPConnector (scripts/engine-venv.sh) against that server.
 LMCACHE_KV_FAST_TEST_SERVER=0.5.7rc2 $PYTEST -q -m "not compat" -p no:cacheprovider \
   tests/integration/test_roundtrip.py tests/integration/test_interop.py \
   tests/integration/test_beyond.py tests/integration/test_read_hints.py \
   tests/integration/test_batch.py tests/integration/test_events.py \
-  tests/sdk/test_sdk_server.py \
-  -k "not pickle and not heartbeat and not stress" "$@"
+  tests/sdk/test_sdk_server.py tests/distributed/test_fleet.py \
+  tests/engine tests/sdk/test_sdk_engine.py \
+  -k "not heartbeat and not stress" "$@"
