@@ -30,15 +30,15 @@ from lmcache_kv_fast.protocol.detect import detect_generation
 from lmcache_kv_fast.protocol.mp_config import (
     live_chunk_size,
     mp_chunk_size,
-    require_zmq_transport,
+    require_transport,
 )
 from lmcache_kv_fast.protocol.ops import Op
 from lmcache_kv_fast.protocol.types import (
     RegisterEngineDrivenContextPayload,
     RegisterEngineDrivenContextResponse,
 )
+from lmcache_kv_fast.transport import control_transport, open_control
 from lmcache_kv_fast.transport.http import HttpInfoClient
-from lmcache_kv_fast.transport.zmq_client import ZmqClient
 
 logger = logging.getLogger(__name__)
 
@@ -60,13 +60,15 @@ def handshake(s: SessionState, layout: KVLayout | None, world_size: int | None,
     engine-driven (CPU) engine is derived from ``/status`` and the model's configuration
     (``client/engine_kv.py``; ``engine``: connect's hints for that).
 
-    The ZMQ client, the registration and the SHM mapping are recorded on ``s`` as soon as
-    they exist, so that ``s.teardown()`` undoes a handshake that failed half-way.
+    The control-plane client (ZMQ or gRPC, from the URL), the registration and the SHM
+    mapping are recorded on ``s`` as soon as they exist, so that ``s.teardown()`` undoes a
+    handshake that failed half-way.
 
     Raises:
         KVCacheSDKError: The server cannot be used (see the message for why).
     """
     probe = min(s.timeout, CONNECT_PROBE_TIMEOUT_S)
+    transport = control_transport(s.url)  # a gRPC URL without grpcio: MissingExtraError
     http = HttpInfoClient(s.http_url, probe)
     cfg = http.config()
     mp = cfg["mp"]
@@ -78,24 +80,25 @@ def handshake(s: SessionState, layout: KVLayout | None, world_size: int | None,
             "the SDK needs 'auto' or 'engine_driven' (restart the server with "
             "--supported-transfer-mode auto)"
         )
-    require_zmq_transport(mp, s.http_url)
+    require_transport(mp, s.http_url, s.url, transport)
     version = http.version()
     gen, verify = detect_generation(version, mp)
     s.generation = gen
     s.server_version = version.strip('"') if version else f"{gen.name} (detected)"
     workers = mp.get("max_cpu_workers") or mp.get("max_workers") or 1
-    s.fifo_normal_pool = workers == 1
+    # gRPC runs requests on its thread pool: no order, even with one worker
+    s.fifo_normal_pool = workers == 1 and transport == "zmq"
     s.align = _align_from_config(cfg)
     _liveness_from_config(s, cfg)
 
-    s.zmq = ZmqClient(s.url, gen, s.timeout)
+    s.zmq = open_control(s.url, gen, s.timeout)
     try:
         reply = s.zmq.call(Op.NOOP, (), None, probe)
     except ServerTimeoutError as err:
         raise KVCacheSDKError(
             f"nothing answers noop on {s.url} within {probe:g}s (HTTP at "
-            f"{s.http_url} does). Check the ZMQ URL/port, or the server's request "
-            "loop is dead (restart it)"
+            f"{s.http_url} does). Check the {transport.upper()} URL/port, or the server's "
+            "request loop is dead (restart it)"
         ) from err
     if reply != "OK":
         raise KVCacheSDKError(
