@@ -112,6 +112,8 @@ class LMCacheServer:
             default it is deleted then, unless ``LMCACHE_KV_FAST_KEEP_SERVER_LOGS=1`` is
             set. :meth:`stop` logs the path of a kept log.
         startup_timeout: Seconds to wait for readiness.
+        transport: ``"zmq"`` or ``"grpc"`` (``--transport grpc``; 0.5.6+, needs grpcio in
+            the server's venv and this one): :attr:`url` is then ``grpc://...``.
     """
 
     def __init__(
@@ -127,7 +129,9 @@ class LMCacheServer:
         max_workers: int | None = None,
         keep_log: bool | None = None,
         malloc_tuning: bool = True,
+        transport: str = "zmq",
     ) -> None:
+        self.transport = transport
         self.shm = shm
         self.chunk_size = chunk_size
         self.l1_size_gb = l1_size_gb
@@ -150,8 +154,8 @@ class LMCacheServer:
     # -- addresses -------------------------------------------------------------------
     @property
     def url(self) -> str:
-        """ZMQ URL of the server."""
-        return f"tcp://127.0.0.1:{self.port}"
+        """Control-plane URL of the server (ZMQ, or gRPC with ``transport="grpc"``)."""
+        return f"{'grpc' if self.transport == 'grpc' else 'tcp'}://127.0.0.1:{self.port}"
 
     @property
     def http_url(self) -> str:
@@ -245,6 +249,8 @@ class LMCacheServer:
             cmd += ["--shm-name", self.shm_name, "--no-l1-use-lazy"]
         else:  # 0.5.1-0.5.3 otherwise make an SHM pool named after their pid
             cmd += ["--shm-name", ""]
+        if self.transport != "zmq":
+            cmd += ["--transport", self.transport]
         return cmd + self.extra_args
 
     def start(self) -> LMCacheServer:
@@ -296,10 +302,18 @@ class LMCacheServer:
             except Exception:
                 time.sleep(0.2)
                 continue
-            if zmq_noop(self.url, self.generation, timeout=1.0):
+            if self.noop(timeout=1.0):
                 break
         logger.info("LMCache server ready: %s %s shm=%r", self.url, self.http_url,
                     self.pool_segment)
+
+    def noop(self, timeout: float = 1.0) -> bool:
+        """One ``noop`` on the control plane (ZMQ, or gRPC); True if the server answered."""
+        if self.transport == "grpc":
+            from lmcache_kv_fast.transport.grpc_client import grpc_noop
+
+            return grpc_noop(self.url, self.generation, timeout)
+        return zmq_noop(self.url, self.generation, timeout)
 
     @property
     def server_env(self) -> dict[str, str]:
@@ -372,7 +386,7 @@ class LMCacheServer:
             stdin=subprocess.DEVNULL, env=self._env(), start_new_session=True,
         )
         deadline = time.monotonic() + self.startup_timeout
-        while not zmq_noop(self.url, self.generation, timeout=0.5):
+        while not self.noop(timeout=0.5):
             if self.proc.poll() is not None or time.monotonic() > deadline:
                 raise ServerStartError(f"restart failed:\n{self.log_tail()}")
 

@@ -305,10 +305,16 @@ class GrpcChannel:
         return self.wait(self.send(op, payloads, raw=raw), resp_type, timeout)
 
     def peer_lost(self) -> bool:
-        """Whether the connection to the server dropped since this channel last asked."""
-        n = self._client.lost_count
+        """Whether the connection dropped since this channel last asked, or is down now.
+
+        While it is down nothing sent on it reaches a server; RPCs queued for the
+        reconnection (``wait_for_ready``) are cancelled when the channel is dropped, so
+        a restarted server never runs them (unlike a ZMQ socket's queue).
+        """
+        client = self._client
+        n = client.lost_count
         lost, self._lost_seen = n != self._lost_seen, n
-        return lost
+        return lost or client.down
 
     @property
     def readable(self) -> bool:
@@ -361,6 +367,8 @@ class GrpcClient:
         self.cv = threading.Condition()
         #: Times the connection left READY (each channel's peer_lost compares).
         self.lost_count = 0
+        #: The connection was READY once and is not now (killed, restarting server).
+        self.down = False
         self._was_ready = False
         self._active = 0
         self._idle = threading.Condition()
@@ -378,8 +386,10 @@ class GrpcClient:
         with self.cv:
             if state == ready:
                 self._was_ready = True
+                self.down = False
             elif self._was_ready:
                 self._was_ready = False
+                self.down = True
                 self.lost_count += 1
                 logger.info("gRPC connection to %s left READY (%s)", self.url, state)
             self.cv.notify_all()
