@@ -1,4 +1,4 @@
-"""gRPC client of ``lmcache server --transport grpc`` (docs/protocol.md §14).
+"""gRPC client of ``lmcache server --transport grpc`` (docs/protocol.md §12).
 
 Same surface as :mod:`~lmcache_kv_fast.transport.zmq_client` (``GrpcClient`` /
 ``GrpcChannel`` for ``ZmqClient`` / ``Channel``), so the flows run unchanged on either
@@ -521,7 +521,10 @@ class GrpcClient:
             ch.close()
         with contextlib.suppress(Exception):
             self._channel.unsubscribe(self._on_state)
-        self._channel.close()
+        # gRPC's connectivity poller (0.2 s slices) raises "Channel closed!" from its
+        # thread when the channel closes under it: close once it has stopped.
+        threading.Thread(target=_close_when_unwatched, args=(self._channel,),
+                         name="lmcache-kv-fast-grpc-close", daemon=True).start()
 
     def settle(self, timeout: float) -> bool:
         """Let every channel collect the acknowledgements of its fired calls."""
@@ -532,6 +535,15 @@ class GrpcClient:
         for ch in channels:
             ok &= ch.settle(max(0.0, deadline - time.monotonic()))
         return ok
+
+
+def _close_when_unwatched(channel: Any, limit_s: float = 2.0) -> None:
+    """Close ``channel`` once its connectivity poller thread has exited (or ``limit_s``)."""
+    state = getattr(channel, "_connectivity_state", None)
+    deadline = time.monotonic() + limit_s
+    while getattr(state, "polling", False) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    channel.close()
 
 
 def grpc_noop(url: str, generation: Generation, timeout: float = 1.0) -> bool:

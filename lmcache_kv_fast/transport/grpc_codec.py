@@ -1,4 +1,4 @@
-"""gRPC messages of the server's services, per generation (docs/protocol.md §14).
+"""gRPC messages of the server's services, per generation (docs/protocol.md §12).
 
 ``lmcache server --transport grpc`` serves the same operations as the ZMQ loop, one RPC
 each, in proto package ``lmcache.mp``; 0.5.6 and 0.5.7 name their services differently
