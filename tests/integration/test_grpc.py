@@ -325,3 +325,95 @@ def test_signal_stopped_server_times_out(grpc56_pickle):
 def test_connection_lost_error_is_both_kinds():
     assert issubclass(ConnectionLostError, lkf.ServerTimeoutError)
     assert issubclass(ConnectionLostError, lkf.ServerUnavailableError)
+
+
+# ---------------------------------------------------------------------- KV events over gRPC
+@pytest.fixture(params=["grpc57_shm", "grpc56_shm"])
+def eserver(request: pytest.FixtureRequest) -> LMCacheServer:
+    """The gRPC servers with a KV-event stream (both planes record the same events)."""
+    return request.getfixturevalue(request.param)
+
+
+def _next_with_events(sub, tries: int = 20):
+    for _ in range(tries):
+        b = next(sub)
+        if b.events:
+            return b
+    raise AssertionError("no batch with events")
+
+
+def test_events_over_grpc_removed_after_clear(eserver):
+    pytest.importorskip("blake3")
+    from lmcache_kv_fast import events
+    from lmcache_kv_fast.events.stream_grpc import GrpcKVEventSubscription
+    from lmcache_kv_fast.hashing import chunk_hashes
+
+    with _connect(eserver) as ctx, events.subscribe(ctx, timeout=10.0) as sub:
+        assert isinstance(sub, GrpcKVEventSubscription)
+        first = next(sub)
+        assert first.enabled and sub.active and sub.cursor == first.next_cursor
+        toks = rand_tokens(2 * C + 17, seed=21)
+        assert ctx.store(_kv(len(toks), seed=22), toks)
+        assert sub.poll(0.5) is None  # SDK (engine-driven) stores record no `stored` event
+        eserver.clear()
+        rm = _next_with_events(sub)
+        assert [r.kind for r in rm.events] == ["removed"]
+        assert set(rm.events[0].block_hashes) == set(chunk_hashes(toks, C))
+    assert sub.closed and sub.end_reason == "closed by the client"
+    deadline = time.monotonic() + 3
+    while (left := [t.name for t in threading.enumerate()
+                    if t.name.startswith("lmcache-kv-fast-events-")]) and \
+            time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not left, f"leaked threads: {left}"
+
+
+def test_events_over_grpc_endpoint_lost_and_replaced(eserver):
+    from lmcache_kv_fast import events
+
+    ep = events.EventsEndpoint.probe(eserver.url, eserver.http_url, unique_model_name("ge"))
+    with events.subscribe(ep, cursor=10**12) as sub:
+        b = next(sub)
+        assert b.lost and b.resync and not b.incarnation_changed and b.next_cursor < 10**12
+    first = events.subscribe(ep, timeout=10.0)
+    second = events.subscribe(ep, instance_id=first.instance_id)
+    try:
+        with pytest.raises(StopIteration):
+            while True:
+                next(first)
+        assert "newer subscription" in (first.end_reason or "")
+        assert first.closed and second.active
+    finally:
+        second.close()
+        first.close()
+
+
+def test_events_over_grpc_close_with_context(grpc56_shm):
+    from lmcache_kv_fast import events
+
+    ctx = _connect(grpc56_shm)
+    sub = events.subscribe(ctx)
+    next(sub)
+    ctx.close()
+    deadline = time.monotonic() + 5
+    while not sub.closed and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert sub.closed and "context" in (sub.end_reason or "")
+    with pytest.raises(StopIteration):
+        next(sub)
+
+
+def test_events_over_grpc_survive_a_restart():
+    from lmcache_kv_fast import events
+
+    srv = LMCacheServer(shm=True, l1_size_gb=0.5, transport="grpc").start()
+    try:
+        ep = events.EventsEndpoint.probe(srv.url, srv.http_url, unique_model_name("gr"))
+        with events.subscribe(ep, timeout=30.0) as sub:
+            b0 = next(sub)
+            srv.restart()
+            b1 = next(sub)
+            assert b1.incarnation_changed and b1.resync
+            assert b1.incarnation != b0.incarnation and sub.active
+    finally:
+        srv.stop()
