@@ -117,6 +117,30 @@ def test_roundtrip_lookup_store_ex(gserver):
     finally:
         ctx.close()
     assert ctx.closed
+    _assert_nothing_held(gserver)
+
+
+def _assert_nothing_held(srv: LMCacheServer, timeout: float = 3.0) -> None:
+    """No session, prefetch job or read lock is left on the server (nothing leaked)."""
+    st = srv.settled_status(timeout)
+    l1 = st.get("storage_manager", {}).get("l1_manager", {})
+    assert st.get("active_sessions") == 0, st.get("active_sessions")
+    assert st.get("active_prefetch_jobs") == 0
+    assert l1.get("read_locked_count", 0) == 0
+
+
+def test_tensor_parallel_shards(grpc57_shm):
+    """world_size 2: one key per rank (worker_id) in every keyed RPC."""
+    ctx = _connect(grpc57_shm, world_size=2)
+    try:
+        toks = rand_tokens(2 * C, seed=41)
+        kv = _kv(2 * C, seed=42)
+        assert ctx.store(kv, toks)
+        assert ctx.lookup(toks) == 2 * C
+        assert _same(ctx.retrieve(toks), kv)
+    finally:
+        ctx.close()
+    _assert_nothing_held(grpc57_shm)
 
 
 def test_threads_share_a_context(gserver):
@@ -133,6 +157,7 @@ def test_threads_share_a_context(gserver):
         assert run_threads(work, 4) == []
     finally:
         ctx.close()
+    _assert_nothing_held(gserver)
 
 
 def test_server_error_reply_is_a_server_error(grpc57_shm):
@@ -318,6 +343,8 @@ def test_signal_stopped_server_times_out(grpc56_pickle):
             except lkf.ServerTimeoutError:
                 if time.monotonic() > deadline:
                     raise
+        # the timed-out lookup ran late: its obligation freed its locks and ended it
+        _assert_nothing_held(srv, timeout=10.0)
     finally:
         ctx.close()
 
