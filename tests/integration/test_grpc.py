@@ -444,3 +444,28 @@ def test_events_over_grpc_survive_a_restart():
             assert b1.incarnation != b0.incarnation and sub.active
     finally:
         srv.stop()
+
+
+def test_store_timed_out_is_finished_late(grpc56_shm):
+    """A store whose prepare_store timed out (server frozen) is finished by its late reply:
+    the reservation is filled from the snapshot and committed, over gRPC as over ZMQ."""
+    srv = grpc56_shm
+    ctx = _connect(srv, timeout=1.5)
+    toks = rand_tokens(2 * C, seed=51)
+    kv = _kv(2 * C, seed=52)
+    assert srv.proc is not None
+    try:
+        os.killpg(srv.proc.pid, signal.SIGSTOP)
+        try:
+            with pytest.raises(lkf.ServerTimeoutError):
+                ctx.store(kv, toks)
+        finally:
+            os.killpg(srv.proc.pid, signal.SIGCONT)
+        deadline = time.monotonic() + 20
+        while ctx.lookup(toks) < 2 * C:
+            assert time.monotonic() < deadline, "the late store never landed"
+            time.sleep(0.1)
+        assert _same(ctx.retrieve(toks), kv)
+        _assert_nothing_held(srv, timeout=10.0)
+    finally:
+        ctx.close()
