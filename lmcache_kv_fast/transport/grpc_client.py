@@ -460,8 +460,11 @@ class GrpcClient:
             self._local.channel = ch
             with self._lock:
                 alive = {t.ident for t in threading.enumerate()}
-                self._channels = [c for c in self._channels if not c.owner or c.owner in alive]
+                dead = [c for c in self._channels if c.owner and c.owner not in alive]
+                self._channels = [c for c in self._channels if c not in dead]
                 self._channels.append(ch)
+            for c in dead:  # their threads are gone: nobody will wait for those replies
+                c.close()
         return ch
 
     def retire(self, ch: GrpcChannel) -> None:
