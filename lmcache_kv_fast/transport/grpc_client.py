@@ -459,12 +459,11 @@ class GrpcClient:
             ch = GrpcChannel(self)
             self._local.channel = ch
             with self._lock:
+                # Channels of finished threads are forgotten, not closed: cancelling an RPC
+                # the server has not started yet (a fired end_session) would drop it.
                 alive = {t.ident for t in threading.enumerate()}
-                dead = [c for c in self._channels if c.owner and c.owner not in alive]
-                self._channels = [c for c in self._channels if c not in dead]
+                self._channels = [c for c in self._channels if not c.owner or c.owner in alive]
                 self._channels.append(ch)
-            for c in dead:  # their threads are gone: nobody will wait for those replies
-                c.close()
         return ch
 
     def retire(self, ch: GrpcChannel) -> None:
