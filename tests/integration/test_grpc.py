@@ -295,10 +295,11 @@ def test_restarted_server_says_reconnect():
         srv.stop()
 
 
-@pytest.mark.parametrize("version", [V057, "0.5.6"])
-def test_upstream_sdk_over_grpc_interop(version, request, tmp_path):
+@pytest.mark.parametrize(("version", "fixture"), [
+    (V057, "grpc57_shm"), ("0.5.6", "grpc56_shm"), ("0.5.6", "grpc56_pickle")])
+def test_upstream_sdk_over_grpc_interop(version, fixture, request, tmp_path):
     """Upstream's own SDK stores over gRPC, ours retrieves bit-exact, and the reverse."""
-    srv = request.getfixturevalue("grpc57_shm" if version == V057 else "grpc56_shm")
+    srv = request.getfixturevalue(fixture)
     name = unique_model_name("gi")
     with TheirSDK(version, srv.url, srv.http_url, tmp_path) as theirs:
         theirs.register_hnd(name, num_layers=2, num_kv_heads=4, head_size=64)
