@@ -1,13 +1,14 @@
 """The gRPC control plane (``lmcache server --transport grpc``) against real servers.
 
-0.5.6 from the main venv (SHM and pickle planes) and 0.5.7rc2 from its compat venv (SHM;
-its inline plane speaks the TensorEnvelope, tested once that lands): connect, store /
+0.5.6 from the main venv (SHM and pickle planes) and 0.5.7rc2 from its compat venv (SHM, and
+its inline plane once this checkout has the TensorEnvelope, dataplane/envelope.py): connect, store /
 retrieve bit-exact, lookup, store_ex, threads, error replies, a wrong-transport URL, a
 server killed mid-call, and interop with upstream's own SDK over gRPC.
 """
 
 from __future__ import annotations
 
+import importlib.util
 import os
 import signal
 import subprocess
@@ -69,7 +70,18 @@ def grpc57_shm() -> Iterator[LMCacheServer]:
     yield from _start(compat_server(V057, shm=True, l1_size_gb=0.5, transport="grpc"))
 
 
-@pytest.fixture(params=["grpc57_shm", "grpc56_shm", "grpc56_pickle"])
+@pytest.fixture(scope="module")
+def grpc57_inline() -> Iterator[LMCacheServer]:
+    """A real 0.5.7rc2 server, gRPC transport, inline (TensorEnvelope) plane."""
+    if importlib.util.find_spec("lmcache_kv_fast.dataplane.envelope") is None:
+        pytest.skip("the 0.5.7 inline plane (TensorEnvelope) is not in this checkout")
+    py = venv_python(V057)
+    if py is None or not _has_grpc(py):
+        pytest.skip(f"no {V057} venv with grpcio (scripts/compat-venvs.sh {V057})")
+    yield from _start(compat_server(V057, shm=False, l1_size_gb=0.5, transport="grpc"))
+
+
+@pytest.fixture(params=["grpc57_shm", "grpc56_shm", "grpc56_pickle", "grpc57_inline"])
 def gserver(request: pytest.FixtureRequest) -> LMCacheServer:
     """Each test runs against every gRPC server."""
     return request.getfixturevalue(request.param)
@@ -296,7 +308,8 @@ def test_restarted_server_says_reconnect():
 
 
 @pytest.mark.parametrize(("version", "fixture"), [
-    (V057, "grpc57_shm"), ("0.5.6", "grpc56_shm"), ("0.5.6", "grpc56_pickle")])
+    (V057, "grpc57_shm"), ("0.5.6", "grpc56_shm"), ("0.5.6", "grpc56_pickle"),
+    (V057, "grpc57_inline")])
 def test_upstream_sdk_over_grpc_interop(version, fixture, request, tmp_path):
     """Upstream's own SDK stores over gRPC, ours retrieves bit-exact, and the reverse."""
     srv = request.getfixturevalue(fixture)
