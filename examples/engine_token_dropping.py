@@ -30,7 +30,7 @@ from collections.abc import Iterator
 import lmcache_kv_fast as lkf
 from lmcache_kv_fast.demo import drop_every_kth
 from lmcache_kv_fast.testing import LMCacheServer
-from lmcache_kv_fast.testing.engine import OfflineEngine
+from lmcache_kv_fast.testing.engine import OfflineEngine, engine_lmcache_server
 from lmcache_kv_fast.testing.tiny_model import ensure_tiny_model
 
 logger = logging.getLogger("engine_token_dropping")
@@ -76,8 +76,9 @@ def run(*, prompts: int = 4, tokens: int = 800, k: int = 10, decode_tokens: int 
             model = ensure_tiny_model()  # vLLM registers the model by this path
         if server is None or engine is None:
             with phase("start LMCache server"):
-                server = stack.enter_context(LMCacheServer(shm=True, chunk_size=CHUNK_SIZE,
-                                                           l1_size_gb=0.5))
+                # LMCACHE_KV_FAST_TEST_SERVER=0.5.7rc2: that server and its connector
+                server = stack.enter_context(engine_lmcache_server(chunk_size=CHUNK_SIZE,
+                                                                   l1_size_gb=0.5))
             with phase("start vLLM engine"):
                 engine = stack.enter_context(OfflineEngine(model, server.port,
                                                            block_size=BLOCK_SIZE))

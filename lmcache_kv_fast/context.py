@@ -14,8 +14,9 @@
   replies (``transport/releases.py``); ``client/read_hints.py`` may gather while the
   server answers ``prepare_retrieve``.
 * ``client/store.py``: ``prepare_store`` (one per shard) → scatter → ``commit_store``
-  (+ ``end_session``), or on the pickle plane a single ``commit_store`` with the pickled
-  chunks; lookups tell "already cached" from "L1 full" (docs/protocol.md §11 #10).
+  (+ ``end_session``), or without SHM a single ``commit_store`` carrying the chunks
+  (pickled; a msgpack envelope on 0.5.7); lookups tell "already cached" from "L1 full"
+  (docs/protocol.md §11 #10).
 
 Results are :class:`~lmcache_kv_fast.results.StoreResult` and
 :class:`~lmcache_kv_fast.results.OpTiming`.
@@ -49,6 +50,7 @@ from lmcache_kv_fast.errors import InvalidArgumentError, InvalidTypeError
 from lmcache_kv_fast.layout import CpuEngineKV, KVLayout
 from lmcache_kv_fast.protocol.ops import Generation
 from lmcache_kv_fast.results import OpTiming, StoreResult
+from lmcache_kv_fast.transport.api_key import ApiKey, resolve_api_key
 from lmcache_kv_fast.validation import (
     check_connect_args,
     check_kv,
@@ -124,6 +126,9 @@ class LMCacheKVCacheContext:
         read_hints: Copy a retrieved prefix from where it lay last time until the server's
             ``prepare_retrieve`` reply is in (SHM only; each chunk kept only when the reply
             names the slot it was read from).
+        api_key: The API key of a key-protected server (0.5.7+), sent on every HTTP
+            request; None reads ``LMCACHE_API_KEY`` / ``LMCACHE_API_KEY_FILE``. Never
+            logged or shown.
 
     Raises:
         KVCacheSDKError: The server cannot be used (see the message for why).
@@ -145,10 +150,13 @@ class LMCacheKVCacheContext:
         block_size: int | None = None,
         dtype: torch.dtype | str | None = None,
         kernel: str | None = None,
+        api_key: str | None = None,
     ) -> None:
         check_connect_args(url, http_url, model_name, timeout, world_size, copy_threads)
         engine = EngineOptions(model_config, block_size, dtype, kernel)
+        key = resolve_api_key(api_key)  # before anything is created
         s = self._session = Session(url, http_url.rstrip("/"), model_name, float(timeout))
+        s.api_key = key
         self._hints = ReadHints(s, bool(read_hints))
         self._retrieval = RetrieveFlow(s, self._hints)
         self._storing = StoreFlow(s, self._hints)
@@ -175,6 +183,11 @@ class LMCacheKVCacheContext:
     def http_url(self) -> str:
         """HTTP URL of the server (no trailing slash)."""
         return self._session.http_url
+
+    @property
+    def api_key(self) -> ApiKey | None:
+        """The server's API key in use (its repr hides the secret), or None."""
+        return self._session.api_key
 
     @property
     def model_name(self) -> str:
@@ -222,7 +235,7 @@ class LMCacheKVCacheContext:
 
     @property
     def transport(self) -> str:
-        """Data plane: ``"shm"`` or ``"pickle"``."""
+        """Data plane: ``"shm"``, or ``"pickle"`` for the inline one (a msgpack envelope on 0.5.7)."""
         return self._session.transport
 
     @property

@@ -77,3 +77,18 @@ class ConnectionLostError(ServerTimeoutError, ServerUnavailableError):
     that timed out, and a restarted server turns it into "reconnect") and a
     ``ServerUnavailableError``.
     """
+
+
+class AuthenticationError(KVCacheSDKError, PermissionError):
+    """The server refused this client's API key, or wants one and none was given.
+
+    The message says how to pass a key (``api_key=``, ``LMCACHE_API_KEY``,
+    ``LMCACHE_API_KEY_FILE``); it never contains the key.
+    """
+
+
+class UnsupportedServerError(KVCacheSDKError):
+    """The server speaks a wire dialect this SDK does not know (a newer release).
+
+    The message names the server's version and the versions this SDK speaks.
+    """

@@ -51,6 +51,7 @@ def connect(
     block_size: int | None = None,
     dtype: torch.dtype | str | None = None,
     kernel: str | None = None,
+    api_key: str | None = None,
 ) -> LMCacheKVCacheContext:
     """Connect to an LMCache MP server and register this SDK instance.
 
@@ -80,6 +81,9 @@ def connect(
         dtype: A CPU engine's KV dtype when it differs from the configuration's.
         kernel: A CPU engine's attention kernel (``"vec"``, ``"vec16"``, ``"amx"``) when it
             runs on another machine.
+        api_key: The API key of a key-protected server (LMCache 0.5.7+); None reads
+            ``LMCACHE_API_KEY`` / ``LMCACHE_API_KEY_FILE``. Sent on every HTTP request,
+            never logged.
 
     Returns:
         A connected context.
@@ -91,6 +95,7 @@ def connect(
         url, http_url, model_name, timeout, layout=layout, world_size=world_size,
         copy_threads=copy_threads, heartbeat=heartbeat, read_hints=read_hints,
         model_config=model_config, block_size=block_size, dtype=dtype, kernel=kernel,
+        api_key=api_key,
     )
 
 

@@ -1,14 +1,15 @@
-# Compatibility matrix against every real LMCache MP server 0.5.1 .. 0.5.6 (tests/compat,
-# docs/protocol.md Appendix C). Included from the Makefile.
+# Compatibility matrix against every real LMCache MP server 0.5.1 .. 0.5.7rc2 (tests/compat,
+# docs/protocol.md Appendix C, docs/compatibility.md). Included from the Makefile.
 #
 #   make test-compat   create/reuse one cached venv per old server version under
 #                      .venv-compat/<ver> (scripts/compat-venvs.sh; ~1.5 min and 1.3 GB each
 #                      the first time, instant afterwards), then run the whole matrix:
 #                      version x {SHM, pickle} x {ours->ours, theirs->ours, ours->theirs}.
 #
-# The 0.5.6 row is unmarked and also runs in the default suite (`pytest -m "not compat"`);
-# the 0.5.1 .. 0.5.5 rows carry the `compat` marker (`pytest -m compat tests/compat`).
-COMPAT_VERSIONS ?= 0.5.1 0.5.2 0.5.3 0.5.4 0.5.5
+# The 0.5.6 and 0.5.7rc2 rows are unmarked and also run in the default suite
+# (`pytest -m "not compat"`; scripts/test.sh makes the 0.5.7rc2 venv); the 0.5.1 .. 0.5.5
+# rows carry the `compat` marker (`pytest -m compat tests/compat`).
+COMPAT_VERSIONS ?= 0.5.1 0.5.2 0.5.3 0.5.4 0.5.5 0.5.7rc2
 COMPAT_PYTEST_ARGS ?= -q
 
 .PHONY: compat-venvs test-compat

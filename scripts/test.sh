@@ -1,10 +1,14 @@
 #!/usr/bin/env bash
 # The whole test suite: sets everything up, then runs pytest against real LMCache servers
-# (SHM and pickle planes), with the native backend and again with the torch backend.
+# (SHM and pickle planes), with the native backend, again with the torch backend, and the
+# core integration tests a third time against an LMCache 0.5.7rc2 server (docs/testing.md).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 ./scripts/setup.sh
 ./scripts/engine-venv.sh  # vLLM CPU engine venv for tests/engine (cached after the first run)
+# 0.5.7rc2 server venv (.venv-compat/0.5.7rc2; ~1 min the first time, cached afterwards):
+# its compat-matrix rows run in the native pass, its server in the last pass
+./scripts/compat-venvs.sh 0.5.7rc2
 export LMCACHE_TRACK_USAGE=false DO_NOT_TRACK=1 LMCACHE_DISABLE_BANNER=1
 PYTEST=".venv/bin/python -m pytest"
 echo "[test] ruff"; .venv/bin/ruff check lmcache_kv_fast tests benches examples
@@ -15,3 +19,12 @@ LMCACHE_KV_FAST_BACKEND=torch $PYTEST -q -m "not compat" -p no:cacheprovider \
   tests/integration/test_roundtrip.py tests/integration/test_interop.py \
   tests/integration/test_beyond.py tests/integration/test_read_hints.py \
   -k "not heartbeat and not stress and not l1_full" "$@"
+echo "[test] LMCache 0.5.7rc2 server (core integration, sdk and engine tests again, LMCACHE_KV_FAST_TEST_SERVER)"
+# The engine runs 0.5.7rc2's LMCacheMPConnector (scripts/engine-venv.sh) against that server.
+LMCACHE_KV_FAST_TEST_SERVER=0.5.7rc2 $PYTEST -q -m "not compat" -p no:cacheprovider \
+  tests/integration/test_roundtrip.py tests/integration/test_interop.py \
+  tests/integration/test_beyond.py tests/integration/test_read_hints.py \
+  tests/integration/test_batch.py tests/integration/test_events.py \
+  tests/sdk/test_sdk_server.py tests/distributed/test_fleet.py \
+  tests/engine tests/sdk/test_sdk_engine.py \
+  -k "not heartbeat and not stress" "$@"

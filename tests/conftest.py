@@ -1,5 +1,9 @@
 """Shared fixtures: real LMCache servers (SHM and pickle planes) and registered models.
 
+``LMCACHE_KV_FAST_TEST_SERVER=<version>`` (e.g. ``0.5.7rc2``) makes the server fixtures and
+:func:`new_server` start that version from its compat venv (``scripts/compat-venvs.sh``,
+``LMCACHE_COMPAT_VENVS``) instead of the main venv's 0.5.6 (docs/testing.md).
+
 The real-engine fixtures (vLLM CPU engine, its server, the oracle) live in
 tests/engine_fixtures.py, session-scoped and stopped right after their last test.
 """
@@ -36,7 +40,9 @@ from engine_fixtures import (  # noqa: F401 - fixtures shared by tests/engine an
     tiny_model,
 )
 
+from lmcache_kv_fast.protocol.ops import parse_version
 from lmcache_kv_fast.testing import LMCacheServer, register_vllm_layout
+from lmcache_kv_fast.testing.compat import suite_server_kwargs, suite_server_version
 
 _MODEL_COUNTER = itertools.count()
 EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
@@ -71,10 +77,27 @@ def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo):
             report.sections.append((title, text))
 
 
+#: The server version the suite runs against (``LMCACHE_KV_FAST_TEST_SERVER``, default 0.5.6).
+SERVER_VERSION = suite_server_version()
+#: Whether that is 0.5.7 or later (query store plugin, API keys, ``token_bytes`` keys).
+SERVER_057 = (parse_version(SERVER_VERSION) or (0,)) >= (0, 5, 7)
+
+
+def skip_on_057(why: str) -> pytest.MarkDecorator:
+    """Skip a test whose subject does not exist on a 0.5.7+ test server; ``why`` names the
+    server difference."""
+    return pytest.mark.skipif(SERVER_057, reason=f"LMCache {SERVER_VERSION} server: {why}")
+
+
+def new_server(shm: bool = True, **kw: Any) -> LMCacheServer:
+    """An unstarted real server of the suite's version (``LMCacheServer(shm=shm, **kw)``)."""
+    return LMCacheServer(shm=shm, **{**suite_server_kwargs(), **kw})
+
+
 def start_server(shm: bool, **kw: Any) -> Iterator[LMCacheServer]:
-    """Body of a server fixture: ``yield from start_server(...)`` starts a real server
-    (``LMCacheServer(shm=shm, **kw)``), yields it and stops it, also after a failed start."""
-    srv = LMCacheServer(shm=shm, **kw)
+    """Body of a server fixture: ``yield from start_server(...)`` starts a real server of the
+    suite's version (:func:`new_server`), yields it and stops it, also after a failed start."""
+    srv = new_server(shm, **kw)
     try:
         srv.start()
         yield srv
@@ -84,13 +107,13 @@ def start_server(shm: bool, **kw: Any) -> Iterator[LMCacheServer]:
 
 @pytest.fixture(scope="session")
 def server_shm() -> Iterator[LMCacheServer]:
-    """A real 0.5.6 server with the SHM data plane."""
+    """A real server (0.5.6 unless ``LMCACHE_KV_FAST_TEST_SERVER``) with the SHM data plane."""
     yield from start_server(True, l1_size_gb=1.0)
 
 
 @pytest.fixture(scope="session")
 def server_pickle() -> Iterator[LMCacheServer]:
-    """A real 0.5.6 server with the pickle data plane (no SHM)."""
+    """A real server with the inline data plane (no SHM; pickle up to 0.5.6)."""
     yield from start_server(False, l1_size_gb=0.5)
 
 

@@ -20,7 +20,7 @@ from typing import Any
 import pytest
 
 from lmcache_kv_fast.testing import LMCacheServer
-from lmcache_kv_fast.testing.engine import OfflineEngine, OpenAIEngine
+from lmcache_kv_fast.testing.engine import OfflineEngine, OpenAIEngine, engine_lmcache_server
 from lmcache_kv_fast.testing.logtail import log_errors, log_tail
 from lmcache_kv_fast.testing.oracle import TransformersOracle
 from lmcache_kv_fast.testing.tiny_model import ensure_tiny_model
@@ -121,7 +121,7 @@ def model_name(tiny_model: Path) -> str:
 @pytest.fixture(scope="session")
 def engine_server() -> Iterator[LMCacheServer]:
     """The real LMCache server the engines and SDKs share (SHM, chunk 256)."""
-    yield from _hold("engine_server", LMCacheServer(shm=True, chunk_size=CHUNK, l1_size_gb=0.5))
+    yield from _hold("engine_server", engine_lmcache_server(chunk_size=CHUNK, l1_size_gb=0.5))
 
 
 @pytest.fixture(scope="session")

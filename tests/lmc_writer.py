@@ -2,12 +2,18 @@
 
 Its stores are what a real GPU engine's look like to the server (docs/protocol.md §10.3):
 announced as ``stored`` KV events (SDK stores are not). Used by the events tests and the
-fleet's events index test; it needs ``lmcache`` (a test dependency), imported on use.
+fleet's events index test; it needs ``lmcache`` (a test dependency), imported on use. A
+server from another venv (``LMCACHE_KV_FAST_TEST_SERVER``, e.g. 0.5.7rc2) gets a writer
+running that venv's ``lmcache`` in a child process (``testing.compat.TheirSDK``).
 """
 
 from __future__ import annotations
 
 import secrets
+import shutil
+import sys
+import tempfile
+from pathlib import Path
 from typing import Any
 
 from lmcache_kv_fast.testing import LMCacheServer
@@ -19,6 +25,12 @@ class LmcDrivenWriter:
     L, NH, HS, BS = 2, 2, 16, 16
 
     def __init__(self, server: LMCacheServer, model: str, max_tokens: int = 512) -> None:
+        self.server, self.model, self.chunk = server, model, server.chunk_size
+        nb = max(1, max_tokens // self.BS)
+        self.child: Any = None
+        if server.version is not None and server.python != sys.executable:
+            self._start_child(nb)
+            return
         import torch
         from lmcache.utils import EngineType
         from lmcache.v1.multiprocess.group_view import EngineGroupInfo
@@ -27,8 +39,6 @@ class LmcDrivenWriter:
         )
         from lmcache.v1.multiprocess.transport.factory import RequestClientFactory
 
-        self.server, self.model, self.chunk = server, model, server.chunk_size
-        nb = max(1, max_tokens // self.BS)
         self.kv = {f"model.layers.{i}.attn": torch.randn(2, nb, self.BS, self.NH, self.HS,
                                                          dtype=torch.bfloat16)
                    for i in range(self.L)}
@@ -43,6 +53,25 @@ class LmcDrivenWriter:
             engine_type=EngineType.VLLM,
         )
 
+    def _start_child(self, nb: int) -> None:
+        """Register through the server version's own lmcache, in a child of its venv."""
+        from lmcache_kv_fast.testing.compat import TheirSDK
+
+        self._workdir = Path(tempfile.mkdtemp(prefix="lmckvf-lmc-writer-"))
+        self.child = TheirSDK(self.server.version, self.server.url, self.server.http_url,
+                              self._workdir).start()
+        try:
+            self.iid = self.child.register_nhd(self.model, num_layers=self.L,
+                                               num_kv_heads=self.NH, head_size=self.HS,
+                                               block_size=self.BS, num_blocks=nb)
+        except BaseException:
+            self._stop_child()
+            raise
+
+    def _stop_child(self) -> None:
+        self.child.stop()
+        shutil.rmtree(self._workdir, ignore_errors=True)
+
     def layout(self) -> Any:
         """The registration's geometry as a :class:`~lmcache_kv_fast.KVLayout`."""
         from lmcache_kv_fast import KVLayout
@@ -51,6 +80,9 @@ class LmcDrivenWriter:
 
     def store(self, tokens: list[int]) -> None:
         """Store ``tokens`` (whole blocks) the engine's way, then end the session like vLLM."""
+        if self.child is not None:
+            self.child.lmc_store(self.iid, tokens)
+            return
         from lmcache.v1.multiprocess.custom_types import IPCCacheServerKey
 
         from lmcache_kv_fast.protocol.ops import Op
@@ -73,6 +105,13 @@ class LmcDrivenWriter:
 
     def close(self, unregister: bool = True) -> None:
         """Unregister (unless ``unregister`` is False: the server is gone) and close."""
+        if self.child is not None:
+            try:
+                if unregister:
+                    self.child.unregister(self.iid)
+            finally:
+                self._stop_child()
+            return
         try:
             if unregister:
                 fut = self.tc.unregister()

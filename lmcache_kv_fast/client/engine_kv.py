@@ -13,7 +13,7 @@ the attention kernel's in-block order. The session registers and moves those (it
 ``layout`` is the raw single-plane layout); per call, :class:`EngineKVCopy` turns the copy
 between the objects and the caller's tensor into a conversion to / from the documented
 per-token ``[2, L, T, NH*HS]`` K/V, chunk by chunk, straight from / into the SHM slots (or
-pickle frames): one strided copy per plane, no intermediate buffer
+inline frames): one strided copy per plane, no intermediate buffer
 (:class:`~lmcache_kv_fast.layout.CpuEngineKV`). The exception is a store into a slot whose
 pages the server's pool has never held (a fresh pool, a pool that grew): written through
 the mapping, every 4 KiB page faults, is allocated, zeroed and mapped (~3-5 us each on a
@@ -261,8 +261,8 @@ class EngineKVCopy:
     def _view(self, r: Region, *, write: bool) -> torch.Tensor:
         """The region's object as a ``[L, C, W]`` tensor (its own memory, no copy).
 
-        Regions come validated (SHM slots against the mapping, pickle spans against the
-        frame); a misaligned span of a received pickle frame is copied once (read only).
+        Regions come validated (SHM slots against the mapping, pickle or envelope spans
+        against the frame); a misaligned span of a received frame is copied once (read only).
         """
         nbytes = self.geom.chunk_nbytes
         if r.nbytes != nbytes:

@@ -22,17 +22,20 @@ from lmcache_kv_fast.errors import (
     InvalidTypeError,
     KVCacheSDKError,
     ProtocolError,
+    ServerError,
     ServerTimeoutError,
+    UnsupportedServerError,
 )
 from lmcache_kv_fast.layout import KVLayout, decode_status_entry, find_model_entries
 from lmcache_kv_fast.protocol.constants import DEFAULT_ALIGN_BYTES
 from lmcache_kv_fast.protocol.detect import detect_generation
+from lmcache_kv_fast.protocol.keys import make_key
 from lmcache_kv_fast.protocol.mp_config import (
     live_chunk_size,
     mp_chunk_size,
     require_transport,
 )
-from lmcache_kv_fast.protocol.ops import Op
+from lmcache_kv_fast.protocol.ops import Op, known_versions
 from lmcache_kv_fast.protocol.types import (
     RegisterEngineDrivenContextPayload,
     RegisterEngineDrivenContextResponse,
@@ -44,6 +47,8 @@ logger = logging.getLogger(__name__)
 
 #: connect() probes give up after this long for an unreachable peer.
 CONNECT_PROBE_TIMEOUT_S = 5.0
+#: A newer server's dialect check waits this long (the HTTP and noop probes came first).
+DIALECT_PROBE_TIMEOUT_S = 2.0
 #: The writer's registration grace must outlast its reservations' write TTL by this much
 #: for a dead client's unfilled reservation never to be admitted (docs/guarantees.md).
 GRACE_MARGIN_S = 10.0
@@ -69,7 +74,7 @@ def handshake(s: SessionState, layout: KVLayout | None, world_size: int | None,
     """
     probe = min(s.timeout, CONNECT_PROBE_TIMEOUT_S)
     transport = control_transport(s.url)  # a gRPC URL without grpcio: MissingExtraError
-    http = HttpInfoClient(s.http_url, probe)
+    http = HttpInfoClient(s.http_url, probe, s.api_key)
     cfg = http.config()
     mp = cfg["mp"]
     s.chunk_size = mp_chunk_size(mp)
@@ -101,10 +106,11 @@ def handshake(s: SessionState, layout: KVLayout | None, world_size: int | None,
             "request loop is dead (restart it)"
         ) from err
     if reply != "OK":
-        raise KVCacheSDKError(
-            f"noop on {s.url} answered {reply!r}, expected 'OK': the server speaks "
-            f"another dialect than {gen.name}" + (" (newer, unverified)" if verify else "")
-        )
+        raise _unsupported(s, version, f"noop answered {reply!r}, expected 'OK'") if verify \
+            else KVCacheSDKError(f"noop on {s.url} answered {reply!r}, expected 'OK': the "
+                                 f"server speaks another dialect than {gen.name}")
+    if verify:
+        _verify_dialect(s, version, probe)
 
     status = http.status()
     s.chunk_size = live_chunk_size(status, s.chunk_size)
@@ -119,6 +125,43 @@ def handshake(s: SessionState, layout: KVLayout | None, world_size: int | None,
         "connected to LMCache %s at %s (model %s, %s plane, chunk %d, world_size %d, "
         "backend %s)", s.server_version, s.url, s.model_name, s.transport,
         s.chunk_size, ws, s.backend.NAME,
+    )
+
+
+def _verify_dialect(s: SessionState, version: str | None, probe: float) -> None:
+    """Check the newest dialect on a server newer than every known one, with a keyed call.
+
+    ``noop`` has no payload, so it cannot tell a changed key or signature; a
+    ``free_lookup_locks`` of no tokens releases nothing and is answered by a server that
+    decodes our key and payload count, and met with silence (the server's answer to a
+    request it cannot decode) otherwise.
+
+    Raises:
+        UnsupportedServerError: No answer within ``probe`` seconds.
+    """
+    assert s.zmq is not None
+    key = make_key(s.generation, model_name=s.model_name, world_size=1, worker_id=None,
+                   tokens=[], start=0, end=0, request_id=f"kvf-probe-{s.instance_id:x}")
+    try:
+        s.zmq.call(Op.FREE_LOOKUP_LOCKS, [key, 1], None, min(probe, DIALECT_PROBE_TIMEOUT_S))
+    except ServerTimeoutError:
+        raise _unsupported(s, version, "a keyed request in that dialect got no reply") \
+            from None
+    except ServerError as err:  # gRPC: the server's decode error comes back as a status
+        raise _unsupported(s, version, f"a keyed request in that dialect failed: {err}") \
+            from None
+    s.zmq.tried_dialect = f"{s.generation.name} dialect tried on newer server {version!r:.60}"
+    logger.warning("LMCache server %s at %s is newer than this SDK knows (%s); its %s "
+                   "dialect answered a keyed probe and is used", version, s.http_url,
+                   known_versions(), s.generation.name)
+
+
+def _unsupported(s: SessionState, version: str | None, what: str) -> UnsupportedServerError:
+    return UnsupportedServerError(
+        f"the LMCache server at {s.http_url} is version {version or '(unknown)'!s:.60}, "
+        f"newer than this SDK knows (it speaks {known_versions()}): the newest dialect "
+        f"({s.generation.name}) was tried and {what}. Upgrade lmcache-kv-fast, or run a "
+        f"server of {known_versions()}"
     )
 
 

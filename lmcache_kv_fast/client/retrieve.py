@@ -27,6 +27,7 @@ from lmcache_kv_fast.client.late import Obligation, Settler
 from lmcache_kv_fast.client.lookup import LATE_MARGIN_S, free_locks, lookup_chunks
 from lmcache_kv_fast.client.read_hints import ReadHints
 from lmcache_kv_fast.copy import Region
+from lmcache_kv_fast.dataplane.envelope import locate_tensors
 from lmcache_kv_fast.dataplane.pickle_fast import locate_chunks
 from lmcache_kv_fast.dataplane.pickle_plane import safe_loads_chunks
 from lmcache_kv_fast.errors import ProtocolError, ServerTimeoutError
@@ -184,7 +185,11 @@ class RetrieveFlow:
         self._s.deferred_releases().commit(commits, rid, same_key)
 
     def _regions(self, resp: PrepareRetrieveResponse, n: int, what: str) -> list[Region]:
-        """Where the ``n`` chunks of a reply lie: SHM slots, or spans of its pickle frame."""
+        """Where the ``n`` chunks of a reply lie: SHM slots, or spans of its inline data.
+
+        The inline data is a msgpack ``TensorEnvelope`` from 0.5.7 (read strictly: the
+        registered count, dtype and shape, or a ``ProtocolError``), a pickle before.
+        """
         s = self._s
         geom = s.geom
         if s.shm is not None and not resp.data:
@@ -195,7 +200,11 @@ class RetrieveFlow:
         if not resp.data:
             raise ProtocolError(f"{what}: a hit with neither slots nor data")
         numel = geom.chunk_nbytes // geom.itemsize
-        spans = locate_chunks(resp.data, n, numel, s.dtype, what, geom.object_shape())
+        if s.generation.inline_envelope:
+            spans: list[tuple[int, int]] | None = locate_tensors(
+                resp.data, n, s.object_shape, s.dtype, what)
+        else:
+            spans = locate_chunks(resp.data, n, numel, s.dtype, what, geom.object_shape())
         if spans is not None:  # zero-copy: read the chunk bytes where they lie in the frame
             with warnings.catch_warnings():
                 warnings.simplefilter("ignore", UserWarning)  # read-only buffer: we only read

@@ -55,6 +55,7 @@ from lmcache_kv_fast.protocol.types import (
     RegisterEngineDrivenContextPayload,
 )
 from lmcache_kv_fast.results import OpTiming
+from lmcache_kv_fast.transport.api_key import ApiKey
 from lmcache_kv_fast.transport.http import HttpInfoClient
 from lmcache_kv_fast.transport.releases import DeferredReleases
 from lmcache_kv_fast.transport.zmq_client import Channel, PendingCall, ZmqClient
@@ -129,6 +130,8 @@ class Session:
     #: The per-token layout of a CPU engine's model (with ``engine_kv``).
     token_layout: KVLayout | None = None
     _engine_copy: EngineKVCopy | None = None
+    #: The server's API key (hidden in every repr), or None.
+    api_key: ApiKey | None = None
 
     def __init__(self, url: str, http_url: str, model_name: str, timeout: float) -> None:
         #: The process that created the session; its sockets, threads and registration
@@ -279,7 +282,7 @@ class Session:
             KVCacheSDKError: The server restarted or reaped this instance (reconnect).
         """
         try:
-            st = HttpInfoClient(self.http_url, RESTART_PROBE_TIMEOUT_S).status()
+            st = HttpInfoClient(self.http_url, RESTART_PROBE_TIMEOUT_S, self.api_key).status()
         except KVCacheSDKError:
             self.peer_lost = True  # still down: check again on the next operation
             return

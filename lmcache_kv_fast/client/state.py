@@ -17,6 +17,7 @@ from lmcache_kv_fast.dataplane.shm import ShmPlane
 from lmcache_kv_fast.layout import CpuEngineKV, KVLayout
 from lmcache_kv_fast.protocol.ops import Generation
 from lmcache_kv_fast.protocol.types import RegisterEngineDrivenContextPayload
+from lmcache_kv_fast.transport.api_key import ApiKey
 from lmcache_kv_fast.transport.releases import DeferredReleases
 from lmcache_kv_fast.transport.zmq_client import ZmqClient
 
@@ -29,6 +30,7 @@ class SessionState(Protocol):
 
     url: str
     http_url: str
+    api_key: ApiKey | None
     model_name: str
     timeout: float
     instance_id: int

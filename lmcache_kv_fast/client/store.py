@@ -2,9 +2,11 @@
 
 SHM plane: ``prepare_store`` (one per shard) → scatter into the reserved slots →
 ``commit_store`` (awaited: ``store()`` promises the chunks are visible when it returns) →
-``end_session``. Pickle plane: a lookup skips the cached prefix, then one ``commit_store``
-per shard carries the pickled chunks. When some chunk got no slot, lookups tell "already
-cached" (or being written by another client) from "L1 full" (docs/protocol.md §11 #10).
+``end_session``. Inline plane (no SHM): a lookup skips the cached prefix, then one
+``commit_store`` per shard carries the chunks, pickled up to 0.5.6, in a msgpack
+``TensorEnvelope`` from 0.5.7 (docs/protocol.md §7.4, §7.6). When some chunk got no slot,
+lookups tell "already cached" (or being written by another client) from "L1 full"
+(docs/protocol.md §11 #10).
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ from lmcache_kv_fast.client.late import SNAPSHOT_BUDGET_BYTES, Obligation, Settl
 from lmcache_kv_fast.client.lookup import LATE_MARGIN_S, lookup_release
 from lmcache_kv_fast.client.read_hints import ReadHints
 from lmcache_kv_fast.copy import Region
+from lmcache_kv_fast.dataplane.envelope import EnvelopeFrameBuilder
 from lmcache_kv_fast.dataplane.pickle_fast import ChunkFrameBuilder
 from lmcache_kv_fast.errors import KVCacheSDKError, ProtocolError, ServerTimeoutError
 from lmcache_kv_fast.protocol import codec
@@ -62,7 +65,7 @@ class StoreFlow:
     def __init__(self, session: Session, hints: ReadHints) -> None:
         self._s = session
         self._hints = hints
-        self._builder: ChunkFrameBuilder | None = None
+        self._builder: ChunkFrameBuilder | EnvelopeFrameBuilder | None = None
 
     def store(self, src: torch.Tensor, toks: list[int], salt: str, n: int,
               rc: dict[str, Any] | None, t0: float) -> StoreResult:
@@ -71,7 +74,7 @@ class StoreFlow:
         with s.op(rc, name="store", t0=t0) as ch, s.same_key(salt, toks) as key:
             if s.shm is not None:
                 return self._store_shm(ch, src, toks, salt, n, key)
-            return self._store_pickle(ch, src, toks, salt, n)
+            return self._store_inline(ch, src, toks, salt, n)
 
     def _store_shm(self, ch: Channel, src: torch.Tensor, toks: list[int], salt: str,
                    n: int, same_key: tuple[str, int, int]) -> StoreResult:
@@ -323,8 +326,14 @@ class StoreFlow:
             ob.abandoned_reservation = True
         s.end_session(ch, rid)
 
-    def _store_pickle(self, ch: Channel, src: torch.Tensor, toks: list[int], salt: str,
+    def _store_inline(self, ch: Channel, src: torch.Tensor, toks: list[int], salt: str,
                       n: int) -> StoreResult:
+        """Store without SHM: the chunks travel in the ``commit_store`` frames.
+
+        The frame builder (:meth:`_frame_builder`) checks what the server checks (count,
+        dtype, shape, byte length, its limits) before a byte is copied: a 0.5.7 server
+        answers a mismatch with silence.
+        """
         s = self._s
         c = s.chunk_size
         k0 = lookup_release(s, ch, toks, salt)
@@ -355,7 +364,7 @@ class StoreFlow:
                     answered += 1
                 except ServerTimeoutError:  # may still run: wait for it, then end
                     ok = False
-                    ob = Obligation(f"store {rid}: pickled commit_store answered late, then "
+                    ob = Obligation(f"store {rid}: inline commit_store answered late, then "
                                     "end its session",
                                     time.monotonic() + s.write_ttl_s + LATE_MARGIN_S)
                     ob.settler = self._late_commits(ob, ch, commits[i:], rid)
@@ -375,7 +384,7 @@ class StoreFlow:
         present = min(k1, n)
         written = max(0, present - k0)
         if not ok:
-            logger.warning("pickle commit_store reported a partial write; verified by lookup")
+            logger.warning("inline commit_store reported a partial write; verified by lookup")
         return StoreResult(present * c, n, written, min(k0, present), n - present)
 
     def _settled_prefix(self, ch: Channel, toks: list[int], salt: str, n: int) -> int:
@@ -393,8 +402,11 @@ class StoreFlow:
             k = lookup_release(self._s, ch, toks, salt)
         return k
 
-    def _frame_builder(self) -> ChunkFrameBuilder:
+    def _frame_builder(self) -> ChunkFrameBuilder | EnvelopeFrameBuilder:
+        """The session's frame builder: a msgpack envelope from 0.5.7, a pickle before."""
         b = self._builder
         if b is None:
-            b = self._builder = ChunkFrameBuilder(self._s.object_shape, self._s.dtype)
+            s = self._s
+            kind = EnvelopeFrameBuilder if s.generation.inline_envelope else ChunkFrameBuilder
+            b = self._builder = kind(s.object_shape, s.dtype)
         return b

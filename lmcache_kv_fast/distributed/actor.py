@@ -80,7 +80,7 @@ class ServerWorker:
         try:
             from lmcache_kv_fast.transport.http import HttpInfoClient
 
-            st = HttpInfoClient(self.ctx.http_url, 5.0).status()
+            st = HttpInfoClient(self.ctx.http_url, 5.0, self.ctx.api_key).status()
             write_ttl = float(st["storage_manager"]["l1_manager"].get("write_ttl_seconds", 600))
         except Exception as err:
             logger.debug("cannot read the server's write TTL: %s", err)

@@ -76,7 +76,8 @@ def server_hash_algorithm(target: Any) -> str:
         cached = _hash_algorithms.get(http_url)
     if cached is not None:
         return cached
-    mp = HttpInfoClient(http_url, _PROBE_TIMEOUT_S).config()["mp"]
+    mp = HttpInfoClient(http_url, _PROBE_TIMEOUT_S, getattr(target, "api_key", None)
+                        ).config()["mp"]
     ha = str(mp.get("hash_algorithm", HASH_ALGORITHM))
     with _listeners_lock:
         _hash_algorithms[http_url] = ha

@@ -19,6 +19,7 @@ from lmcache_kv_fast.protocol.constants import DEFAULT_REAP_TIMEOUT_S, FORBIDDEN
 from lmcache_kv_fast.protocol.detect import detect_generation
 from lmcache_kv_fast.protocol.mp_config import mp_chunk_size, require_transport
 from lmcache_kv_fast.protocol.ops import Generation
+from lmcache_kv_fast.transport.api_key import ApiKey
 from lmcache_kv_fast.transport.http import HttpInfoClient
 from lmcache_kv_fast.transport.urls import parse_control_url, parse_http_url
 
@@ -40,6 +41,7 @@ class EventsEndpoint:
         reap_timeout_s: ``--worker-reap-timeout-seconds`` of the server (0 = no reaping).
         hash_algorithm: ``--hash-algorithm`` of the server.
         server_version: ``/version`` or the detected generation.
+        api_key: The server's API key (hidden in every repr), or None.
     """
 
     url: str
@@ -51,6 +53,7 @@ class EventsEndpoint:
     reap_timeout_s: float = DEFAULT_REAP_TIMEOUT_S
     hash_algorithm: str = HASH_ALGORITHM
     server_version: str = ""
+    api_key: ApiKey | None = None
 
     @property
     def closed(self) -> bool:
@@ -59,15 +62,18 @@ class EventsEndpoint:
 
     @classmethod
     def probe(cls, url: str, http_url: str, model_name: str,
-              timeout: float = 10.0) -> EventsEndpoint:
+              timeout: float = 10.0, *, api_key: str | None = None) -> EventsEndpoint:
         """Read ``/config`` and ``/version`` of a server (no ZMQ call, no registration).
+
+        ``api_key``: a key-protected server's key (None: ``LMCACHE_API_KEY`` /
+        ``LMCACHE_API_KEY_FILE``).
 
         Raises:
             InvalidArgumentError: A malformed URL or model name.
             KVCacheSDKError: The HTTP plane does not answer or the server is unusable.
         """
         _check_endpoint_args(url, http_url, model_name, timeout)
-        http = HttpInfoClient(http_url.rstrip("/"), min(timeout, _PROBE_TIMEOUT_S))
+        http = HttpInfoClient(http_url.rstrip("/"), min(timeout, _PROBE_TIMEOUT_S), api_key)
         mp = http.config()["mp"]
         chunk = mp_chunk_size(mp)
         require_transport(mp, http_url, url, parse_control_url(url).transport)
@@ -79,6 +85,7 @@ class EventsEndpoint:
             reap_timeout_s=_reap_from_mp(mp),
             hash_algorithm=str(mp.get("hash_algorithm", HASH_ALGORITHM)),
             server_version=(version or f"{gen.name} (detected)").strip('"'),
+            api_key=http.api_key,
         )
 
 
@@ -124,7 +131,8 @@ def _target_reap_timeout(target: Any) -> float:
     if isinstance(reap, (int, float)) and not isinstance(reap, bool):
         return float(reap)
     try:
-        mp = HttpInfoClient(target.http_url, _PROBE_TIMEOUT_S).config()["mp"]
+        mp = HttpInfoClient(target.http_url, _PROBE_TIMEOUT_S,
+                            getattr(target, "api_key", None)).config()["mp"]
     except (KVCacheSDKError, AttributeError, KeyError, TypeError):
         return DEFAULT_REAP_TIMEOUT_S
     return _reap_from_mp(mp)

@@ -51,3 +51,11 @@ DTYPE_ITEMSIZE = {
     "int32": 4,
     "int64": 8,
 }
+
+#: The 0.5.7 inline plane's msgpack ``TensorEnvelope`` (docs/protocol.md §7.6): its
+#: version and the server's limits (per tensor, per payload, tensors, dimensions).
+ENVELOPE_VERSION = 1
+ENVELOPE_MAX_TENSOR_BYTES = 2 * 1024**3
+ENVELOPE_MAX_TOTAL_BYTES = 16 * 1024**3
+ENVELOPE_MAX_TENSORS = 65536
+ENVELOPE_MAX_RANK = 16

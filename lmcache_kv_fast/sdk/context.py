@@ -147,7 +147,8 @@ class LMCacheSDKContext:
 
     def _query_geometry(self, name: str) -> tuple[KVLayout, int]:
         http = HttpInfoClient(self._http_url.rstrip("/"), min(float(self._timeout),
-                                                               CONNECT_PROBE_TIMEOUT_S))
+                                                               CONNECT_PROBE_TIMEOUT_S),
+                              self._options.get("api_key"))
         status = http.status()
         chunk = live_chunk_size(status, mp_chunk_size(http.config()["mp"]))
         return query_layout(status, name, chunk, self._http_url)

@@ -2,7 +2,8 @@
 
 An engine with LMCache's query capture stores the attention queries of the tokens it
 computes under ``<model>##query`` (server: ``--enable transfer_query
---supported-transfer-mode auto``). A QUERY context reads them as ``[1, L, T, Hq·Dh]``
+--supported-transfer-mode auto`` up to 0.5.6, the ``qstore`` server module from 0.5.7 on,
+docs/sdk.md). A QUERY context reads them as ``[1, L, T, Hq·Dh]``
 with the geometry of the query registration (``/status`` ``q_context_meta``), and can
 store edited ones.
 """

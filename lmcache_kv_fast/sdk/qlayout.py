@@ -1,7 +1,8 @@
 """The geometry of query tensors, from the server's query registration.
 
 An engine that exports query tensors (LMCache's query capture, server started with
-``--enable transfer_query``) registers a paged query ring for ``<model>##query``;
+``--enable transfer_query`` up to 0.5.6, with the ``qstore`` server module from 0.5.7 on)
+registers a paged query ring for ``<model>##query``;
 ``/status`` lists it under ``q_context_meta`` (one entry per instance) with the ring's
 layout in ``q_ring_layout``, the same shape of record as a KV registration's
 ``kv_cache_layout``: one kernel group, format ``NL_X_NB_BS_HS`` (one plane), width
@@ -69,7 +70,10 @@ def query_layout(status: Mapping[str, Any], server_model_name: str, chunk_size: 
                         (status.get("q_context_meta") or {}).values() if isinstance(e, Mapping)}
                        ) if enabled else []
         why = ("the server runs without the query module: start it with "
-               "'--enable transfer_query --supported-transfer-mode auto'"
+               "'--enable transfer_query --supported-transfer-mode auto' (LMCache <= 0.5.6) "
+               "or '--server-module "
+               "{\"module_path\":\"lmcache.v1.multiprocess.plugin_modules.qstore\"} "
+               "--supported-transfer-mode auto' (0.5.7+)"
                if not enabled else
                f"no engine has registered a query ring for it (query registrations: "
                f"{known or 'none'}); the engine must export query tensors "

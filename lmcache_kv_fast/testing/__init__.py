@@ -5,9 +5,15 @@ Only this subpackage may know how the server is launched; the SDK itself never i
 """
 
 from lmcache_kv_fast.testing.register import VllmLikeRegistration, register_vllm_layout
-from lmcache_kv_fast.testing.server import LMCacheServer, ServerStartError, free_port
+from lmcache_kv_fast.testing.server import (
+    QSTORE_MODULE,
+    LMCacheServer,
+    ServerStartError,
+    free_port,
+)
 
 __all__ = [
+    "QSTORE_MODULE",
     "LMCacheServer",
     "ServerStartError",
     "VllmLikeRegistration",

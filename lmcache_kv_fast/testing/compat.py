@@ -1,4 +1,4 @@
-"""Compatibility-matrix helpers: every real LMCache MP server 0.5.1 .. 0.5.6 and its own SDK.
+"""Compatibility-matrix helpers: every real LMCache MP server 0.5.1 .. 0.5.7rc2 and its own SDK.
 
 * :func:`venv_python` finds the interpreter that has a given ``lmcache`` version
   (``.venv-compat/<ver>`` made by ``scripts/compat-venvs.sh``; 0.5.6 is also found in the
@@ -9,7 +9,10 @@
   registers a vLLM-like HND CPU layout with that version's transfer context (0.5.1 .. 0.5.5
   take pickled IPC wrappers, so only their own client can), and stores / retrieves with that
   version's ``lmcache.sdk.kvcache`` (module functions in 0.5.1/0.5.2, context methods from
-  0.5.3 on). Tensors travel through ``torch.save`` files in a work directory.
+  0.5.3 on; 0.5.7's builds ``token_bytes`` keys itself). Tensors travel through
+  ``torch.save`` files in a work directory.
+* :func:`suite_server_kwargs` reads ``LMCACHE_KV_FAST_TEST_SERVER``: the server version the
+  test suite's main server fixtures start (default: the main venv's 0.5.6).
 
 This file is also the child's program: ``python -I compat.py --worker URL HTTP_URL`` runs
 the worker loop (one JSON request per line on stdin, one JSON reply per line on stdout). So
@@ -36,9 +39,14 @@ if TYPE_CHECKING:  # pragma: no cover
     from lmcache_kv_fast.testing.server import LMCacheServer
 
 #: Every server version of the compatibility matrix, oldest first.
-ALL_VERSIONS: tuple[str, ...] = ("0.5.1", "0.5.2", "0.5.3", "0.5.4", "0.5.5", "0.5.6")
-#: The version of the main venv (always tested; the others only with ``-m compat``).
+ALL_VERSIONS: tuple[str, ...] = (
+    "0.5.1", "0.5.2", "0.5.3", "0.5.4", "0.5.5", "0.5.6", "0.5.7rc2")
+#: The version of the main venv (its server is the default test server).
 MAIN_VERSION = "0.5.6"
+#: Versions whose matrix rows run in the default suite (the others only with ``-m compat``).
+DEFAULT_VERSIONS: tuple[str, ...] = ("0.5.6", "0.5.7rc2")
+#: Environment variable naming the server version the suite's main fixtures start.
+TEST_SERVER_ENV = "LMCACHE_KV_FAST_TEST_SERVER"
 #: Where ``scripts/compat-venvs.sh`` puts the per-version venvs (``LMCACHE_COMPAT_VENVS``).
 REPO_ROOT = Path(__file__).resolve().parents[2]
 SERVER_ENV = {
@@ -101,6 +109,34 @@ def compat_server(version: str, *, shm: bool, **kw: Any) -> LMCacheServer:
     if py is None:
         raise FileNotFoundError(missing_venv_hint(version))
     return LMCacheServer(shm=shm, python=py, version=version, **kw)
+
+
+def suite_server_version() -> str:
+    """The server version the test suite runs against (``LMCACHE_KV_FAST_TEST_SERVER``).
+
+    Unset or empty means :data:`MAIN_VERSION` (the main venv's server).
+    """
+    return os.environ.get(TEST_SERVER_ENV, "").strip() or MAIN_VERSION
+
+
+def suite_server_kwargs() -> dict[str, Any]:
+    """``LMCacheServer`` arguments that start the suite's server version.
+
+    Empty for the main venv's own server; ``python``/``version`` of the version's venv
+    (``.venv-compat/<ver>``, ``LMCACHE_COMPAT_VENVS``) otherwise.
+
+    Raises:
+        FileNotFoundError: No venv has that version (the message says how to make one).
+    """
+    if not os.environ.get(TEST_SERVER_ENV, "").strip():
+        return {}
+    version = suite_server_version()
+    if version == MAIN_VERSION and _installed_lmcache(sys.executable) == version:
+        return {}
+    py = venv_python(version)
+    if py is None:
+        raise FileNotFoundError(f"{TEST_SERVER_ENV}={version}: {missing_venv_hint(version)}")
+    return {"python": py, "version": version}
 
 
 class TheirSDKError(RuntimeError):
@@ -249,9 +285,13 @@ class TheirSDK:
             head_size=head_size, dtype=dtype, block_size=block_size, num_blocks=num_blocks,
         ))
 
-    def connect(self, model_name: str, timeout: float = 30.0) -> int:
-        """``lmcache.sdk.kvcache.connect``; returns a handle for the other calls."""
-        return int(self._call("connect", model=model_name, timeout=timeout))
+    def connect(self, model_name: str, timeout: float = 30.0, kind: str = "kv") -> int:
+        """``lmcache.sdk.kvcache.connect`` (``kind="query"``: ``lmcache.sdk.qcache``'s, 0.5.6+).
+
+        Returns:
+            A handle for the other calls.
+        """
+        return int(self._call("connect", model=model_name, timeout=timeout, kind=kind))
 
     def store(self, handle: int, kv: torch.Tensor, tokens: list[int], cache_salt: str = "") -> bool:
         """That version's ``store(kv, tokens, cache_salt)``."""
@@ -283,6 +323,68 @@ class TheirSDK:
         """That version's ``close``."""
         self._call("close", ctx=handle)
 
+    def register_nhd(self, model_name: str, *, num_layers: int, num_kv_heads: int,
+                     head_size: int, block_size: int = 16, num_blocks: int = 4) -> int:
+        """Register a vLLM-like NHD CPU layout ``NL x [2, NB, BS, NH, HS]`` (bf16, random).
+
+        Returns:
+            The registration's instance id (for :meth:`lmc_store` / :meth:`unregister`).
+        """
+        return int(self._call(
+            "register", model=model_name, num_layers=num_layers, num_kv_heads=num_kv_heads,
+            head_size=head_size, dtype="bfloat16", block_size=block_size,
+            num_blocks=num_blocks, layout="NHD",
+        ))
+
+    def lmc_store(self, iid: int, tokens: list[int]) -> None:
+        """Store ``tokens`` the engine's way, then end the session.
+
+        The registration's first blocks go through ``submit_store`` of that version's
+        transfer context (what the server announces as ``stored`` KV events).
+        """
+        self._call("lmc_store", iid=iid, tokens=list(tokens))
+
+    def unregister(self, iid: int) -> None:
+        """Unregister the registration ``iid`` (that version's ``unregister``)."""
+        self._call("unregister", iid=iid)
+
+
+class TheirContext:
+    """That version's ``lmcache.sdk.kvcache`` context, in a child process of its venv.
+
+    The upstream oracle for a server the running interpreter's ``lmcache`` cannot talk to.
+
+    Offers ``store(kv, tokens, cache_salt)``, ``retrieve(tokens, cache_salt)`` and
+    ``close()`` like upstream's context; ``close`` also stops the child.
+    """
+
+    def __init__(self, version: str, url: str, http_url: str, model_name: str,
+                 timeout: float = 30.0, kind: str = "kv") -> None:
+        import tempfile
+
+        self._workdir = Path(tempfile.mkdtemp(prefix=f"lmckvf-their-{version}-"))
+        self.sdk = TheirSDK(version, url, http_url, self._workdir).start()
+        try:
+            self._h = self.sdk.connect(model_name, timeout, kind)
+        except BaseException:
+            self.close()
+            raise
+
+    def store(self, kv: torch.Tensor, tokens: list[int], cache_salt: str = "") -> bool:
+        """That version's ``store``."""
+        return self.sdk.store(self._h, kv, tokens, cache_salt)
+
+    def retrieve(self, tokens: list[int], cache_salt: str = "") -> torch.Tensor | None:
+        """That version's ``retrieve``."""
+        return self.sdk.retrieve(self._h, tokens, cache_salt)
+
+    def close(self) -> None:
+        """Stop the child and remove its work directory. Idempotent."""
+        import shutil
+
+        self.sdk.stop()
+        shutil.rmtree(self._workdir, ignore_errors=True)
+
 
 # ------------------------------------------------------------------------------------------
 # The child side. Runs inside the other version's venv; imports only that lmcache.
@@ -290,10 +392,12 @@ class TheirSDK:
 def _register_hnd(url: str, http_url: str, req: dict[str, Any], keep: list[Any]) -> int:
     """Register ``NL x [2, NB, NH, BS, HS]`` CPU tensors through lmcache's transfer context.
 
+    ``layout="NHD"`` registers ``[2, NB, BS, NH, HS]`` (random bf16) instead.
+
     Three API shapes exist: 0.5.1-0.5.4 ``register(iid, kv, model, ws, bic, mq_client,
     timeout, send_request, ...)``; 0.5.5 ``register(iid, kv, model, ws, bic, req_client,
-    timeout, ...)``; 0.5.6 binds ``instance_id``/``req_client`` in
-    ``create_transfer_context`` and takes ``register(kv, model, ws, bic, timeout, ...)``.
+    timeout, ...)``; 0.5.6 and 0.5.7 bind ``instance_id``/``req_client`` in
+    ``create_transfer_context`` and take ``register(kv, model, ws, bic, timeout, ...)``.
     """
     import inspect
     import secrets
@@ -304,21 +408,29 @@ def _register_hnd(url: str, http_url: str, req: dict[str, Any], keep: list[Any])
     from lmcache.v1.multiprocess.group_view import EngineGroupInfo
     from lmcache.v1.multiprocess.transfer_context import worker_transfer as wt
 
-    with urllib.request.urlopen(f"{http_url}/config", timeout=10) as resp:
-        chunk_size = int(json.loads(resp.read())["mp"]["chunk_size"])
+    # /status has the live (0.5.7: negotiated) chunk size; /config only the flag's value
+    with urllib.request.urlopen(f"{http_url}/status", timeout=10) as resp:
+        chunk_size = json.loads(resp.read()).get("chunk_size")
+    if chunk_size is None:  # 0.5.1 .. 0.5.5
+        with urllib.request.urlopen(f"{http_url}/config", timeout=10) as resp:
+            chunk_size = json.loads(resp.read())["mp"]["chunk_size"]
+    chunk_size = int(chunk_size)
     nl, nh, hs = req["num_layers"], req["num_kv_heads"], req["head_size"]
     bs, nb = req["block_size"], req["num_blocks"]
     dtype = getattr(torch, req["dtype"])
-    kv = {f"model.layers.{i}.self_attn.attn": torch.zeros(2, nb, nh, bs, hs, dtype=dtype)
+    nhd = req.get("layout") == "NHD"
+    shape = (2, nb, bs, nh, hs) if nhd else (2, nb, nh, bs, hs)
+    kv = {f"model.layers.{i}.self_attn.attn":
+          torch.randn(shape).to(dtype) if nhd else torch.zeros(shape, dtype=dtype)
           for i in range(nl)}
-    hints = {"kv_layout": "HND"}
+    hints = {"kv_layout": "NHD" if nhd else "HND"}
     groups = [EngineGroupInfo(engine_group_id=0, layer_indices=tuple(range(nl)),
                               tokens_per_block=bs)]
     iid = secrets.randbits(31) + 1
     bic = chunk_size // bs
     timeout = 30.0
     zctx = zmq.Context()
-    if "req_client" in inspect.signature(wt.create_transfer_context).parameters:  # 0.5.6
+    if "req_client" in inspect.signature(wt.create_transfer_context).parameters:  # 0.5.6+
         from lmcache.v1.multiprocess.transport.factory import RequestClientFactory
 
         client = RequestClientFactory.create(url, context=zctx)
@@ -342,8 +454,40 @@ def _register_hnd(url: str, http_url: str, req: dict[str, Any], keep: list[Any])
             client = RequestClientFactory.create(url, context=zctx)
             tctx.register(iid, kv, req["model"], 1, bic, client, timeout, layout_hints=hints,
                           engine_group_infos=groups)
-    keep.append((kv, tctx, client, zctx))
+    keep.append({"iid": iid, "model": req["model"], "kv": kv, "tctx": tctx, "client": client,
+                 "zctx": zctx, "bic": bic, "bs": bs})
     return iid
+
+
+def _lmc_store(req: dict[str, Any], keep: list[Any]) -> None:
+    """``submit_store`` of registration ``req["iid"]`` (0.5.6+), then ``end_session``."""
+    import secrets
+
+    from lmcache.v1.multiprocess.custom_types import IPCCacheServerKey
+
+    reg = next(k for k in keep if k["iid"] == req["iid"])
+    tctx, bs = reg["tctx"], reg["bs"]
+    tokens = req["tokens"]
+    fields: dict[str, Any] = dict(
+        model_name=reg["model"], world_size=1, worker_id=0, start=0, end=len(tokens),
+        request_id=f"lmc-{secrets.token_hex(4)}", cache_salt="", num_kv_readers=1)
+    if hasattr(IPCCacheServerKey, "from_token_ids"):  # 0.5.7: token_bytes keys
+        key = IPCCacheServerKey.from_token_ids(token_ids=tokens, **fields)
+    else:
+        key = IPCCacheServerKey(token_ids=tokens, **fields)
+    fut = tctx.submit_store(key.request_id, key, reg["kv"], [list(range(len(tokens) // bs))],
+                            tctx.create_recorded_event(), reg["bic"])
+    if fut.result(timeout=20) is None:
+        raise RuntimeError("submit_store got no result")
+    reg["client"].end_session(key.request_id).result(timeout=10)
+
+
+def _unregister(req: dict[str, Any], keep: list[Any]) -> None:
+    entry = next(k for k in keep if k["iid"] == req["iid"])
+    fut = entry["tctx"].unregister()
+    if fut is not None:
+        fut.result(timeout=5)
+    keep.remove(entry)
 
 
 def _worker(url: str, http_url: str) -> int:  # pragma: no cover - runs in the child
@@ -368,9 +512,15 @@ def _worker(url: str, http_url: str) -> int:  # pragma: no cover - runs in the c
             return md.version("lmcache")
         if cmd == "register":
             return _register_hnd(url, http_url, req, keep)
+        if cmd == "lmc_store":
+            return _lmc_store(req, keep)
+        if cmd == "unregister":
+            return _unregister(req, keep)
         if cmd == "connect":
             h = next(handles)
-            ctxs[h] = sdk.connect(url, http_url, req["model"], timeout=req["timeout"])
+            mod = importlib.import_module("lmcache.sdk.qcache") \
+                if req.get("kind") == "query" else sdk
+            ctxs[h] = mod.connect(url, http_url, req["model"], timeout=req["timeout"])
             return h
         if cmd == "store":
             kv = torch.load(req["kv"], weights_only=True)

@@ -39,10 +39,11 @@ from lmcache_kv_fast.testing.engine_proc import (
     EngineChildError,
     child_env,
     engine_python,
+    server_version,
     stop_group,
 )
 from lmcache_kv_fast.testing.logtail import log_tail
-from lmcache_kv_fast.testing.server import free_port
+from lmcache_kv_fast.testing.server import LMCacheServer, free_port
 
 logger = logging.getLogger(__name__)
 
@@ -69,6 +70,20 @@ class Generation:
     logprobs: torch.Tensor | None
     num_cached_tokens: int
     request_id: str = ""
+
+
+def engine_lmcache_server(**kw: Any) -> LMCacheServer:
+    """An (unstarted) SHM server for an engine, of the test server version.
+
+    ``LMCACHE_KV_FAST_TEST_SERVER`` set: that version from its compat venv (the engine then
+    loads that version's connector); else this venv's LMCache.
+    """
+    version = server_version()
+    if version is None:
+        return LMCacheServer(shm=True, **kw)
+    from lmcache_kv_fast.testing.compat import compat_server
+
+    return compat_server(version, shm=True, **kw)
 
 
 def _connector_config(lmcache_port: int, host: str = "tcp://127.0.0.1") -> dict[str, Any]:

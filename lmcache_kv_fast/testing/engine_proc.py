@@ -42,6 +42,10 @@ ENGINE_SIDE_DIR = Path(__file__).resolve().parent / "engine_side"
 #: Repository root (the checkout this package lives in).
 REPO_ROOT = Path(__file__).resolve().parents[2]
 
+#: LMCache version of the test servers and the engine's connector (default: 0.5.6, the
+#: venvs' own); another one runs its servers from ``.venv-compat/<ver>`` and the engine
+#: with that version's connector from ``<engine venv>/lmcache-<ver>`` (engine-venv.sh).
+SERVER_VERSION_ENV = "LMCACHE_KV_FAST_TEST_SERVER"
 #: Set to 1 to keep the engine children's logs and files (their paths are logged).
 KEEP_LOGS_ENV = "LMCACHE_KV_FAST_KEEP_ENGINE_LOGS"
 
@@ -79,9 +83,34 @@ def engine_python() -> Path:
     return exe
 
 
+def server_version() -> str | None:
+    """The LMCache version ``LMCACHE_KV_FAST_TEST_SERVER`` asks for (None: the default)."""
+    return os.environ.get(SERVER_VERSION_ENV) or None
+
+
+def connector_path(version: str) -> Path:
+    """Where the engine venv keeps LMCache ``version`` beside its own (its connector).
+
+    Raises:
+        EngineChildError: It was not installed (``scripts/engine-venv.sh`` installs 0.5.7rc2).
+    """
+    path = engine_python().parents[1] / f"lmcache-{version}"
+    if not (path / "lmcache").is_dir():
+        raise EngineChildError(
+            f"no LMCache {version} in the engine venv at {path}: run scripts/engine-venv.sh"
+        )
+    return path
+
+
 def child_env(extra: dict[str, str] | None = None) -> dict[str, str]:
-    """Environment for an engine-venv child: the caller's, minus this venv, plus quiet switches."""
+    """Environment for an engine-venv child: the caller's, minus this venv, plus quiet switches.
+
+    With ``LMCACHE_KV_FAST_TEST_SERVER`` set, that LMCache version's package comes first.
+    """
     env = {k: v for k, v in os.environ.items() if k not in ("VIRTUAL_ENV", "PYTHONPATH")}
+    version = server_version()
+    if version is not None:
+        env["PYTHONPATH"] = str(connector_path(version))
     env.update(CHILD_ENV)
     if extra:
         env.update(extra)

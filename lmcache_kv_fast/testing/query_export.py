@@ -6,8 +6,9 @@ The vLLM in the engine venv cannot export query tensors (upstream needs a vLLM p
 (``engine_side/query_exporter.py``): an lmcache-driven transfer context registers a
 paged KV cache and a paged query ring for the model, and stores query tensors with
 ``store_q`` (and KV with ``store``), exactly as LMCache's vLLM adapter does. The server
-must run with ``--enable transfer_query --supported-transfer-mode auto``
-(:data:`QUERY_SERVER_ARGS`).
+must run with the query module and ``--supported-transfer-mode auto``: ``--enable
+transfer_query`` up to 0.5.6 (:data:`QUERY_SERVER_ARGS`), the ``qstore`` server module from
+0.5.7 on (``--server-module``); :func:`query_server_kwargs` picks the right one.
 """
 
 from __future__ import annotations
@@ -21,11 +22,28 @@ import torch
 
 from lmcache_kv_fast.testing.engine_proc import ChildOwner, EngineChild
 
-__all__ = ["QUERY_SERVER_ARGS", "QueryExporter"]
+__all__ = ["QUERY_SERVER_ARGS", "QueryExporter", "query_server_kwargs"]
 
-#: Extra server flags for the query module (``LMCacheServer(extra_args=...)``; the
-#: server fixture already passes ``--supported-transfer-mode auto``).
+#: Extra server flags for the query module up to 0.5.6 (``LMCacheServer(extra_args=...)``;
+#: the server fixture already passes ``--supported-transfer-mode auto``). 0.5.7 removed
+#: ``--enable`` (its parser then fails with "ambiguous option").
 QUERY_SERVER_ARGS = ("--enable", "transfer_query")
+
+
+def query_server_kwargs(version: str | None) -> dict[str, Any]:
+    """``LMCacheServer`` arguments that load the query module on a server of ``version``.
+
+    ``--enable transfer_query`` up to 0.5.6 (and for None, the main venv's 0.5.6); the
+    ``qstore`` plugin (``--server-module``, :data:`~lmcache_kv_fast.testing.server.QSTORE_MODULE`)
+    from 0.5.7 on.
+    """
+    from lmcache_kv_fast.protocol.ops import parse_version
+    from lmcache_kv_fast.testing.server import QSTORE_MODULE
+
+    parsed = parse_version(version) if version is not None else None
+    if parsed is not None and parsed >= (0, 5, 7):
+        return {"server_modules": [QSTORE_MODULE]}
+    return {"extra_args": list(QUERY_SERVER_ARGS)}
 
 
 class QueryExporter(ChildOwner):

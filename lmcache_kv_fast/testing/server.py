@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import itertools
+import json
 import logging
 import os
 import secrets
@@ -19,7 +20,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -62,8 +63,21 @@ MALLOC_TUNING_ENV = {
 KEEP_LOGS_ENV = "LMCACHE_KV_FAST_KEEP_SERVER_LOGS"
 
 
+#: ``--server-module`` spec of 0.5.7's query store (``store_q``/``register_q_cache``; 0.5.6
+#: had ``--enable transfer_query`` instead). Needs ``--supported-transfer-mode auto``.
+QSTORE_MODULE: Mapping[str, Any] = {
+    "module_path": "lmcache.v1.multiprocess.plugin_modules.qstore"}
+
+
 class ServerStartError(RuntimeError):
     """The server did not become ready; the message carries the tail of its log."""
+
+
+def tcp_open(port: int, timeout: float = 1.0) -> bool:
+    """Whether something accepts TCP connections on 127.0.0.1:``port`` (gRPC readiness)."""
+    with contextlib.suppress(OSError), socket.create_connection(("127.0.0.1", port), timeout):
+        return True
+    return False
 
 
 def free_port() -> int:
@@ -112,8 +126,15 @@ class LMCacheServer:
             default it is deleted then, unless ``LMCACHE_KV_FAST_KEEP_SERVER_LOGS=1`` is
             set. :meth:`stop` logs the path of a kept log.
         startup_timeout: Seconds to wait for readiness.
-        transport: ``"zmq"`` or ``"grpc"`` (``--transport grpc``; 0.5.6+, needs grpcio in
-            the server's venv and this one): :attr:`url` is then ``grpc://...``.
+        api_key: Protect the server's HTTP API with this key (0.5.7+; written to a private
+            temporary file passed as ``--api-key-file``); :meth:`http`, :meth:`status`,
+            :meth:`clear` and the readiness check send it.
+        api_key_file: An existing key file (one line) for ``--api-key-file`` instead; its
+            key is read for :meth:`http` unless ``api_key`` is given too.
+        server_modules: ``--server-module`` specs (a JSON object as a mapping or a JSON
+            string), e.g. :data:`QSTORE_MODULE` for query tensors on 0.5.7.
+        transport: ``"zmq"`` (default) or ``"grpc"`` (``--transport grpc``; :attr:`url` is
+            then ``grpc://``; the server's venv needs grpcio).
     """
 
     def __init__(
@@ -129,9 +150,11 @@ class LMCacheServer:
         max_workers: int | None = None,
         keep_log: bool | None = None,
         malloc_tuning: bool = True,
+        api_key: str | None = None,
+        api_key_file: str | os.PathLike[str] | None = None,
+        server_modules: Sequence[Mapping[str, Any] | str] = (),
         transport: str = "zmq",
     ) -> None:
-        self.transport = transport
         self.shm = shm
         self.chunk_size = chunk_size
         self.l1_size_gb = l1_size_gb
@@ -144,6 +167,12 @@ class LMCacheServer:
             keep_log = os.environ.get(KEEP_LOGS_ENV, "") not in ("", "0")
         self.keep_log = keep_log
         self.malloc_tuning = malloc_tuning
+        if transport not in ("zmq", "grpc"):
+            raise ValueError(f"transport must be 'zmq' or 'grpc', got {transport!r}")
+        self.transport = transport
+        self.server_modules = [m if isinstance(m, str) else json.dumps(dict(m))
+                               for m in server_modules]
+        self._setup_api_key(api_key, api_key_file)
         self.proc: subprocess.Popen[bytes] | None = None
         self.port = 0
         self.http_port = 0
@@ -151,11 +180,32 @@ class LMCacheServer:
         self._log_file: Any = None
         self.log_path: Path | None = None
 
+    def _setup_api_key(self, api_key: str | None,
+                       api_key_file: str | os.PathLike[str] | None) -> None:
+        self.api_key = api_key
+        self.api_key_file = Path(api_key_file) if api_key_file is not None else None
+        self._own_key_file = False
+        if api_key is None and api_key_file is None:
+            return
+        if not self.is_057:
+            raise ValueError(
+                f"api_key/api_key_file need an LMCache 0.5.7+ server (--api-key-file); "
+                f"this one is {self.version or 'the running venv (0.5.6)'}")
+        if api_key is None and self.api_key_file is not None:
+            self.api_key = self.api_key_file.read_text(encoding="ascii").strip()
+
+    @property
+    def is_057(self) -> bool:
+        """Whether the server is 0.5.7 or later (its flags and dialect differ)."""
+        parsed = parse_version(self.version) if self.version is not None else None
+        return parsed is not None and parsed >= (0, 5, 7)
+
     # -- addresses -------------------------------------------------------------------
     @property
     def url(self) -> str:
-        """Control-plane URL of the server (ZMQ, or gRPC with ``transport="grpc"``)."""
-        return f"{'grpc' if self.transport == 'grpc' else 'tcp'}://127.0.0.1:{self.port}"
+        """Request URL of the server (``tcp://`` for ZMQ, ``grpc://`` for gRPC)."""
+        scheme = "grpc" if self.transport == "grpc" else "tcp"
+        return f"{scheme}://127.0.0.1:{self.port}"
 
     @property
     def http_url(self) -> str:
@@ -220,8 +270,14 @@ class LMCacheServer:
         return gen if gen is not None else GEN_056
 
     def http(self, timeout: float = 10.0) -> HttpInfoClient:
-        """An HTTP info client for this server."""
-        return HttpInfoClient(self.http_url, timeout)
+        """An HTTP info client for this server (sending its API key, if it has one)."""
+        return HttpInfoClient(self.http_url, timeout, api_key=self.api_key)
+
+    def requests_ready(self, timeout: float = 1.0) -> bool:
+        """Whether the request port answers: a ZMQ ``noop``, or a TCP accept for gRPC."""
+        if self.transport == "grpc":
+            return tcp_open(self.port, timeout)
+        return zmq_noop(self.url, self.generation, timeout=timeout)
 
     # -- lifecycle -------------------------------------------------------------------
     def command(self) -> list[str]:
@@ -251,6 +307,10 @@ class LMCacheServer:
             cmd += ["--shm-name", ""]
         if self.transport != "zmq":
             cmd += ["--transport", self.transport]
+        for spec in self.server_modules:
+            cmd += ["--server-module", spec]
+        if self.api_key_file is not None:
+            cmd += ["--api-key-file", str(self.api_key_file)]
         return cmd + self.extra_args
 
     def start(self) -> LMCacheServer:
@@ -271,7 +331,18 @@ class LMCacheServer:
                     break
         raise last_err  # type: ignore[misc]
 
+    def _write_key_file(self) -> None:
+        """Put ``api_key`` in a private temporary file for ``--api-key-file``."""
+        if self.api_key is None or self.api_key_file is not None:
+            return
+        fd, path = tempfile.mkstemp(prefix="lmcache-api-key-", suffix=".txt")
+        with os.fdopen(fd, "w", encoding="ascii") as f:  # mkstemp: mode 0600
+            f.write(self.api_key + "\n")
+        self.api_key_file = Path(path)
+        self._own_key_file = True
+
     def _start_once(self) -> None:
+        self._write_key_file()
         self.port, self.http_port = free_port(), free_port()
         while self.http_port == self.port:
             self.http_port = free_port()
@@ -302,18 +373,10 @@ class LMCacheServer:
             except Exception:
                 time.sleep(0.2)
                 continue
-            if self.noop(timeout=1.0):
+            if self.requests_ready(timeout=1.0):
                 break
         logger.info("LMCache server ready: %s %s shm=%r", self.url, self.http_url,
                     self.pool_segment)
-
-    def noop(self, timeout: float = 1.0) -> bool:
-        """One ``noop`` on the control plane (ZMQ, or gRPC); True if the server answered."""
-        if self.transport == "grpc":
-            from lmcache_kv_fast.transport.grpc_client import grpc_noop
-
-            return grpc_noop(self.url, self.generation, timeout)
-        return zmq_noop(self.url, self.generation, timeout)
 
     @property
     def server_env(self) -> dict[str, str]:
@@ -347,6 +410,10 @@ class LMCacheServer:
         The log file stays when ``keep_log`` is set.
         """
         self._stop(remove_log=not self.keep_log)
+        if self._own_key_file and self.api_key_file is not None:
+            with contextlib.suppress(FileNotFoundError):
+                self.api_key_file.unlink()
+            self.api_key_file, self._own_key_file = None, False
 
     def _stop(self, remove_log: bool) -> None:
         proc, self.proc = self.proc, None
@@ -386,7 +453,7 @@ class LMCacheServer:
             stdin=subprocess.DEVNULL, env=self._env(), start_new_session=True,
         )
         deadline = time.monotonic() + self.startup_timeout
-        while not self.noop(timeout=0.5):
+        while not self.requests_ready(timeout=0.5):
             if self.proc.poll() is not None or time.monotonic() > deadline:
                 raise ServerStartError(f"restart failed:\n{self.log_tail()}")
 

@@ -361,6 +361,8 @@ class GrpcClient:
         self.generation = generation
         self.timeout = float(timeout)
         self.call_deadline = self.timeout + LATE_HORIZON_S
+        #: Set by the handshake when a newer server is spoken to in the newest dialect.
+        self.tried_dialect: str | None = None
         self.closed = False
         self.closing = False
         #: Completions of every channel's RPCs are announced here (poll, collect).
@@ -427,6 +429,8 @@ class GrpcClient:
             msg = f"{op.value} failed on the server at {self.url}: {details}"
         else:
             msg = f"{op.value} to {self.url} failed with gRPC status {name}: {details}"
+        if self.tried_dialect is not None:
+            msg += f" ({self.tried_dialect}: upgrade lmcache-kv-fast for that server)"
         exc = ServerError(msg)
         exc.code = name
         return exc
@@ -547,13 +551,3 @@ def _close_when_unwatched(channel: Any, limit_s: float = 2.0) -> None:
         time.sleep(0.05)
     channel.close()
 
-
-def grpc_noop(url: str, generation: Generation, timeout: float = 1.0) -> bool:
-    """One ``noop`` on a fresh client; True if the server's gRPC services answered."""
-    client = GrpcClient(url, generation, timeout)
-    try:
-        return client.call(Op.NOOP, (), None, timeout) == "OK"
-    except Exception:  # not up yet, or not gRPC
-        return False
-    finally:
-        client.close()

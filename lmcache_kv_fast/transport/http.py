@@ -19,7 +19,13 @@ import ssl
 import time
 from typing import Any
 
-from lmcache_kv_fast.errors import KVCacheSDKError, ProtocolError, ServerTimeoutError
+from lmcache_kv_fast.errors import (
+    AuthenticationError,
+    KVCacheSDKError,
+    ProtocolError,
+    ServerTimeoutError,
+)
+from lmcache_kv_fast.transport.api_key import HOW_TO_PASS, ApiKey, resolve_api_key
 from lmcache_kv_fast.transport.urls import Endpoint, parse_http_url
 
 logger = logging.getLogger(__name__)
@@ -120,15 +126,20 @@ class HttpInfoClient:
     Args:
         base_url: e.g. ``http://127.0.0.1:8080`` (no path).
         timeout: Seconds a whole request may take (connect, send, headers and body).
+        api_key: The server's API key, sent with every request (None: read
+            ``LMCACHE_API_KEY`` / ``LMCACHE_API_KEY_FILE``; no key when neither is set).
 
     Raises:
-        InvalidArgumentError: ``base_url`` is not an HTTP URL (``transport/urls.py``).
+        InvalidArgumentError: ``base_url`` is not an HTTP URL (``transport/urls.py``), or
+            the key is not one line.
     """
 
-    def __init__(self, base_url: str, timeout: float) -> None:
+    def __init__(self, base_url: str, timeout: float,
+                 api_key: str | ApiKey | None = None) -> None:
         self.base_url = base_url.rstrip("/")
         self.timeout = timeout
         self._ep = parse_http_url(self.base_url, "http_url")
+        self.api_key = resolve_api_key(api_key)
 
     def _request(self, method: str, path: str, body: Any = None, *,
                  missing_ok: bool = False, timeout: float | None = None) -> Any:
@@ -137,6 +148,8 @@ class HttpInfoClient:
         deadline = time.monotonic() + budget
         data = None if body is None else json.dumps(body).encode()
         headers = {"Accept": "application/json"}
+        if self.api_key is not None:
+            headers["Authorization"] = self.api_key.header()
         if data is not None:
             headers["Content-Type"] = "application/json"
         cls = _TLSConnection if self._ep.scheme == "https" else _Connection
@@ -160,11 +173,25 @@ class HttpInfoClient:
             conn.close()
         if missing_ok and status == 404:
             return None
+        if status == 401:
+            raise self._refused(method, url)
         if not 200 <= status < 300:
             raise KVCacheSDKError(f"{method} {url} answered HTTP {status}: {raw[:2000]!r}")
         if len(raw) > MAX_INFO_BYTES:
             raise ProtocolError(f"{method} {url} returned more than {MAX_INFO_BYTES} bytes")
         return decode_json(raw, f"{method} {url}")
+
+    def _refused(self, method: str, url: str) -> AuthenticationError:
+        if self.api_key is None:
+            return AuthenticationError(
+                f"{method} {url} answered HTTP 401: the LMCache server requires an API key "
+                f"and none was given; {HOW_TO_PASS}"
+            )
+        return AuthenticationError(
+            f"{method} {url} answered HTTP 401: the server refused the API key from "
+            f"{self.api_key.source} (wrong or revoked key; the key is not shown); "
+            f"{HOW_TO_PASS}"
+        )
 
     def get(self, path: str, *, missing_ok: bool = False, timeout: float | None = None) -> Any:
         """GET ``path`` and decode its JSON (None for a 404 when ``missing_ok``)."""

@@ -330,6 +330,8 @@ class ZmqClient:
         self.generation = generation
         self.timeout = float(timeout)
         self.zmq_context = zmq.Context()
+        #: Set when the dialect is the newest one tried on a newer, unknown server.
+        self.tried_dialect: str | None = None
         self.closed = False
         self.closing = False
         self._active = 0
@@ -417,6 +419,12 @@ class ZmqClient:
 
     def timeout_message(self, op: Op, timeout: float) -> str:
         """Explain a timeout of ``op`` (the server never sends error replies)."""
+        if self.tried_dialect is not None:
+            return (
+                f"{op.value} to {self.url} got no reply within {timeout:g}s: the server "
+                f"answers but may not understand this request ({self.tried_dialect}; it "
+                "sends no error replies, see its log). Upgrade lmcache-kv-fast for that server"
+            )
         return (
             f"{op.value} to {self.url} got no reply within {timeout:g}s. Likely causes: the "
             "server is not running or not reachable at that URL; the server was restarted or "

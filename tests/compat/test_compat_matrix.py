@@ -1,13 +1,15 @@
-"""Compatibility matrix: every real LMCache MP server 0.5.1 .. 0.5.6 x {SHM, pickle} x
+"""Compatibility matrix: every real LMCache MP server 0.5.1 .. 0.5.7rc2 x {SHM, pickle} x
 {ours -> ours, theirs -> ours, ours -> theirs}, "theirs" being that version's own SDK.
+"pickle" is the plane without SHM (pickled tensors up to 0.5.6, 0.5.7's TensorEnvelope).
 
 Each (version, plane) gets one real server of that version (from ``.venv-compat/<ver>``,
 ``scripts/compat-venvs.sh``; 0.5.6 also from the main venv) and one child process running
 that version's own lmcache client, which registers the vLLM-like HND CPU layout and stores /
 retrieves with that version's ``lmcache.sdk.kvcache``.
 
-0.5.6 always runs; the older versions are marked ``compat`` (``make test-compat``). A version
-whose venv is missing is skipped with the command that creates it.
+0.5.6 and 0.5.7rc2 (``DEFAULT_VERSIONS``) run in the default suite; the older versions are
+marked ``compat`` (``make test-compat``). A version whose venv is missing is skipped with
+the command that creates it (``scripts/test.sh`` makes 0.5.7rc2's).
 """
 
 from __future__ import annotations
@@ -29,7 +31,7 @@ from lmcache_kv_fast.protocol.ops import Op, generation_for
 from lmcache_kv_fast.testing import LMCacheServer
 from lmcache_kv_fast.testing.compat import (
     ALL_VERSIONS,
-    MAIN_VERSION,
+    DEFAULT_VERSIONS,
     TheirSDK,
     compat_server,
     missing_venv_hint,
@@ -46,7 +48,7 @@ _NAMES = itertools.count()
 
 def _params() -> Iterator[object]:
     for version in ALL_VERSIONS:
-        marks = () if version == MAIN_VERSION else (pytest.mark.compat,)
+        marks = () if version in DEFAULT_VERSIONS else (pytest.mark.compat,)
         for plane in ("shm", "pickle"):
             yield pytest.param((version, plane), id=f"{version}-{plane}", marks=marks)
 

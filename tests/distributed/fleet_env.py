@@ -22,7 +22,7 @@ import pytest
 ray = pytest.importorskip("ray", reason="the distributed tests need Ray (pip install 'lmcache-kv-fast[ray]')")
 
 import fleet_helpers  # noqa: E402
-from conftest import Model, make_model, wait_all_zero  # noqa: E402
+from conftest import Model, make_model, new_server, wait_all_zero  # noqa: E402
 from ray.cluster_utils import Cluster  # noqa: E402
 
 from lmcache_kv_fast.distributed import Server  # noqa: E402
@@ -56,7 +56,7 @@ class FleetEnv:
 
 @pytest.fixture(scope="module", name="env")
 def fleet_env_fixture() -> Iterator[FleetEnv]:
-    servers = [LMCacheServer(shm=True, l1_size_gb=0.25, extra_args=SERVER_ARGS)
+    servers = [new_server(shm=True, l1_size_gb=0.25, extra_args=SERVER_ARGS)
                for _ in range(N_NODES + 1)]
     errors: list[BaseException] = []
 

@@ -142,3 +142,20 @@ def test_engine_exited_then_connect_needs_block_size(offline_engine, engine_serv
         assert ctx.engine_kv == cpu_kv
         assert torch.equal(bits(ctx.retrieve(p)), bits(kv))
     assert torch.equal(bits(sdk.retrieve(p)), bits(kv))  # the open context keeps working
+
+
+def test_engine_runs_the_test_servers_lmcache(engine_server, offline_engine):
+    """The engine's connector and its server are of one LMCache version: the venv's own, or
+    ``LMCACHE_KV_FAST_TEST_SERVER``'s (the suite's 0.5.7rc2 engine pass)."""
+    import subprocess
+
+    from lmcache_kv_fast.testing.engine_proc import child_env, engine_python, server_version
+
+    want = server_version() or "0.5.6"
+    probe = ("import importlib.metadata as m, lmcache, pathlib; "
+             "print(m.version('lmcache') if 'site-packages' in lmcache.__file__ else "
+             "pathlib.Path(lmcache.__file__).parents[1].name.removeprefix('lmcache-'))")
+    got = subprocess.run([str(engine_python()), "-c", probe], env=child_env(), text=True,
+                         capture_output=True, timeout=120).stdout.strip().splitlines()[-1]
+    assert got == want
+    assert engine_server.http().version().startswith(want)

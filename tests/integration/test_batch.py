@@ -8,11 +8,10 @@ import time
 
 import pytest
 import torch
-from conftest import make_model, rand_tokens
+from conftest import make_model, new_server, rand_tokens
 
 import lmcache_kv_fast.kvcache as lmc_sdk
 from lmcache_kv_fast import batch
-from lmcache_kv_fast.testing import LMCacheServer
 
 C = 256
 
@@ -181,7 +180,7 @@ def test_rewrite_records_misses_failures_and_goes_on(small):
 
 
 def test_batch_with_overfull_l1_reports_refusals():
-    with LMCacheServer(shm=True, l1_size_gb=0.0625) as srv:  # 64 MiB
+    with new_server(shm=True, l1_size_gb=0.0625) as srv:  # 64 MiB
         m = make_model(srv, num_layers=4, num_kv_heads=8, head_size=128)  # 4 MiB / chunk
         with lmc_sdk.connect(srv.url, srv.http_url, m.name) as ctx:
             items = [(m.kv(4 * C, seed=i), rand_tokens(4 * C, seed=700 + i)) for i in range(8)]

@@ -316,3 +316,29 @@ def test_bench_store_limits_runs() -> None:
         assert all(math.isfinite(float(x)) and float(x) > 0 for x in r[1:5]), r
     assert 0 < float(rows["plain"][5]) <= 1, rows["plain"]  # the ceiling is a fraction
     assert "right after the roofline copy" in p.stderr
+
+
+@pytest.mark.timeout(360)
+def test_bench_against_057_and_its_own_sdk(tmp_path: Path) -> None:
+    from lmcache_kv_fast.testing.compat import missing_venv_hint, venv_python
+
+    if venv_python("0.5.7rc2") is None:
+        pytest.skip(missing_venv_hint("0.5.7rc2"))
+    out = tmp_path / "bench057.json"
+    p = subprocess.run(
+        [sys.executable, "-m", "lmcache_kv_fast", "bench", "--quick", "--no-progress",
+         "--server-version", "0.5.7rc2", "--workloads", "W1,W3,W3P", "--threads", "2",
+         "--no-torch-backend", "--json", str(out)],
+        capture_output=True, text=True, timeout=300, env=_bench_env(), cwd=tmp_path,
+        stdin=subprocess.DEVNULL,
+    )
+    assert p.returncode == 0, f"stdout:\n{p.stdout[-4000:]}\nstderr:\n{p.stderr[-4000:]}"
+    doc = json.loads(out.read_text())
+    assert not doc["errors"]
+    assert doc["servers"]["shm"]["version"].startswith("0.5.7rc2")
+    assert "servers and the upstream SDK: lmcache 0.5.7rc2" in p.stdout
+    records = {(r["path"], r["op"]): r for r in doc["records"]}
+    for op in ("W1 store warm", "W1 retrieve warm", "W3 rewrite sequential"):
+        for path in ("upstream", "kvfast-native-2t"):  # 0.5.7rc2's own SDK ran too
+            assert _positive(records[(path, op)]["samples"]), (path, op)
+    assert _positive(records[("kvfast-native-2t", "W3P batch (plain fn)")]["samples"])

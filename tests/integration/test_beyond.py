@@ -9,7 +9,7 @@ import time
 
 import pytest
 import torch
-from conftest import make_model, rand_tokens, unique_model_name
+from conftest import make_model, new_server, rand_tokens, unique_model_name
 
 import lmcache_kv_fast as lkf
 import lmcache_kv_fast.kvcache as lmc_sdk
@@ -17,9 +17,9 @@ from lmcache_kv_fast import KVLayout
 from lmcache_kv_fast.copy.torch_backend import open_segment
 from lmcache_kv_fast.dataplane.pickle_plane import dumps_chunks
 from lmcache_kv_fast.protocol import codec
+from lmcache_kv_fast.protocol.keys import make_key
 from lmcache_kv_fast.protocol.ops import Op
 from lmcache_kv_fast.protocol.types import (
-    IPCCacheServerKey,
     PrepareStoreResponse,
     RegisterEngineDrivenContextPayload,
     RegisterEngineDrivenContextResponse,
@@ -116,8 +116,8 @@ def test_tp_interop_with_per_rank_stores(server):
         seg = open_segment(shm) if shm else None
         for r in range(2):
             shard = kv[..., r * 128:(r + 1) * 128].contiguous()
-            key = IPCCacheServerKey(model_name=m.name, world_size=2, worker_id=r, token_ids=toks,
-                                    start=0, end=C, request_id=f"rank{r}-{iid}")
+            key = make_key(server.generation, model_name=m.name, world_size=2, worker_id=r,
+                           tokens=toks, start=0, end=C, request_id=f"rank{r}-{iid}")
             if seg is not None:
                 resp = client.call(Op.PREPARE_STORE, [key, iid], PrepareStoreResponse)
                 (reg,) = seg.regions(resp.context.slots, shard.numel() * 2, 4096)
@@ -157,23 +157,21 @@ def test_lookup_moves_no_data_and_releases(server):
         assert st["storage_manager"]["l1_manager"]["read_locked_count"] == 0
 
 
-def test_honest_store_when_l1_full():
+@pytest.mark.parametrize("shm", [True, False], ids=["shm", "pickle"])
+def test_honest_store_when_l1_full(shm):
     """L1 full: store returns False (upstream: pickle says True, SHM cannot tell)."""
-    from lmcache_kv_fast.testing import LMCacheServer
-
-    for shm in (True, False):
-        with LMCacheServer(shm=shm, l1_size_gb=0.0625) as srv:  # 64 MiB
-            m = make_model(srv, num_layers=4, num_kv_heads=8, head_size=128)  # 4 MiB / chunk
-            with lmc_sdk.connect(srv.url, srv.http_url, m.name) as ctx:
-                toks = rand_tokens(20 * C, seed=6)  # 80 MiB > L1
-                res = ctx.store_ex(m.kv(20 * C), toks)
-                assert not res.ok and ctx.store(m.kv(20 * C), toks) is False
-                assert res.chunks_refused > 0
-                assert res.chunks_written + res.chunks_already_cached + res.chunks_refused == 20
-                small = rand_tokens(2 * C, seed=7)
-                r2 = ctx.store_ex(m.kv(2 * C, seed=8), small)
-                assert r2.ok and r2.chunks_written == 2
-                assert torch.equal(ctx.retrieve(small), m.kv(2 * C, seed=8))
+    with new_server(shm=shm, l1_size_gb=0.0625) as srv:  # 64 MiB
+        m = make_model(srv, num_layers=4, num_kv_heads=8, head_size=128)  # 4 MiB / chunk
+        with lmc_sdk.connect(srv.url, srv.http_url, m.name) as ctx:
+            toks = rand_tokens(20 * C, seed=6)  # 80 MiB > L1
+            res = ctx.store_ex(m.kv(20 * C), toks)
+            assert not res.ok and ctx.store(m.kv(20 * C), toks) is False
+            assert res.chunks_refused > 0
+            assert res.chunks_written + res.chunks_already_cached + res.chunks_refused == 20
+            small = rand_tokens(2 * C, seed=7)
+            r2 = ctx.store_ex(m.kv(2 * C, seed=8), small)
+            assert r2.ok and r2.chunks_written == 2
+            assert torch.equal(ctx.retrieve(small), m.kv(2 * C, seed=8))
 
 
 def test_instance_ids_random_63_bit(server_shm):
@@ -189,10 +187,8 @@ def test_instance_ids_random_63_bit(server_shm):
 def test_heartbeat_keeps_idle_client_alive():
     """Server with a 30 s reap timeout: an idle client that pings survives > 40 s; a client
     whose heartbeat stopped (as if dead) is reaped."""
-    from lmcache_kv_fast.testing import LMCacheServer
-
-    with LMCacheServer(shm=True, l1_size_gb=0.25,
-                       extra_args=["--worker-reap-timeout-seconds", "30"]) as srv:
+    with new_server(shm=True, l1_size_gb=0.25,
+                    extra_args=["--worker-reap-timeout-seconds", "30"]) as srv:
         m = make_model(srv, num_layers=2, num_kv_heads=2, head_size=64)
         alive = lmc_sdk.connect(srv.url, srv.http_url, m.name)
         dead = lmc_sdk.connect(srv.url, srv.http_url, m.name)

@@ -1,21 +1,38 @@
-"""Interop with the upstream SDK (``lmcache.sdk``, the oracle): bit-exact both ways."""
+"""Interop with the upstream SDK (``lmcache.sdk``, the oracle): bit-exact both ways.
+
+The oracle is the server version's own SDK: the main venv's ``lmcache`` in-process for its
+0.5.6 server, that version's in a child process of its venv for another
+(``LMCACHE_KV_FAST_TEST_SERVER``, ``testing.compat.TheirContext``).
+"""
 
 from __future__ import annotations
+
+import sys
+from typing import Any
 
 import pytest
 import torch
 from conftest import make_model, rand_tokens
 
 import lmcache_kv_fast.kvcache as lmc_sdk
+from lmcache_kv_fast.testing import LMCacheServer
+from lmcache_kv_fast.testing.compat import TheirContext
 
 C = 256
 upstream = pytest.importorskip("lmcache.sdk.kvcache")
 
 
+def their_connect(server: LMCacheServer, model: str) -> Any:
+    """The server version's own SDK context for ``model``."""
+    if server.version is not None and server.python != sys.executable:
+        return TheirContext(server.version, server.url, server.http_url, model, timeout=30)
+    return upstream.connect(server.url, server.http_url, model, timeout=30)
+
+
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 def test_upstream_store_ours_retrieve_and_reverse(server, dtype):
     m = make_model(server, dtype=dtype, num_layers=4, num_kv_heads=8, head_size=64)
-    theirs = upstream.connect(server.url, server.http_url, m.name, timeout=30)
+    theirs = their_connect(server, m.name)
     ours = lmc_sdk.connect(server.url, server.http_url, m.name, timeout=30)
     try:
         # upstream -> ours
@@ -44,7 +61,7 @@ def test_upstream_mla_store_ours_retrieve(server):
     m = make_model(server, mla=True, num_layers=2, head_size=576)
     toks = rand_tokens(C, seed=35)
     kv = m.kv(C, seed=36)
-    theirs = upstream.connect(server.url, server.http_url, m.name, timeout=30)
+    theirs = their_connect(server, m.name)
     ours = lmc_sdk.connect(server.url, server.http_url, m.name, timeout=30)
     try:
         assert ours.store(kv, toks)

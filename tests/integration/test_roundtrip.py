@@ -1,10 +1,11 @@
-"""Store/retrieve against the real LMCache 0.5.6 server, SHM and pickle planes."""
+"""Store/retrieve against the real LMCache server (0.5.6, or LMCACHE_KV_FAST_TEST_SERVER),
+SHM and pickle (inline) planes."""
 
 from __future__ import annotations
 
 import pytest
 import torch
-from conftest import Model, make_model, rand_tokens
+from conftest import SERVER_VERSION, Model, make_model, rand_tokens
 
 import lmcache_kv_fast as lkf
 import lmcache_kv_fast.kvcache as lmc_sdk
@@ -23,7 +24,7 @@ def test_transport_matches_server(ctx, server):
     assert ctx.transport == ("shm" if server.shm else "pickle")
     assert ctx.chunk_size == C
     assert ctx.instance_id > 0 and ctx.instance_id < 2**63
-    assert ctx.server_version.startswith("0.5.6")
+    assert ctx.server_version.startswith(SERVER_VERSION)
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])

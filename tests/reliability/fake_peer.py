@@ -148,6 +148,8 @@ class FakePeer:
         self.version: Any = "0.5.6"
         self.config = self._default_config()
         self.cache_context_meta: dict[str, Any] = {"6814": self._vllm_entry()}
+        #: top-level ``/status`` keys served instead of the defaults (e.g. ``chunk_size``)
+        self.status_overrides: dict[str, Any] = {}
         #: raw HTTP overrides: path -> (status code, body bytes, delay seconds)
         self.http_raw: dict[str, tuple[int, bytes, float]] = {}
         #: per-op persistent handlers and one-shot handlers (FIFO), by op name
@@ -283,7 +285,7 @@ class FakePeer:
                 "active_sessions": 0, "active_prefetch_jobs": 0,
                 "cache_context_meta": self.cache_context_meta,
                 "registered_non_cuda_instance_ids": [int(k) for k in regs],
-                "non_cuda_context_meta": regs}
+                "non_cuda_context_meta": regs, **self.status_overrides}
 
     def _http_handler(self) -> type[http.server.BaseHTTPRequestHandler]:
         peer = self

@@ -542,6 +542,15 @@ def _cfg(**mp: Any) -> Callable[[FakePeer], None]:
     return apply
 
 
+def _chunk(n: int, *, config: bool = True) -> Callable[[FakePeer], None]:
+    """The peer's chunk size: ``/status`` (the live one the SDK uses) and ``/config``."""
+    def apply(p: FakePeer) -> None:
+        p.status_overrides["chunk_size"] = n
+        if config:
+            p.config["mp"]["chunk_size"] = n
+    return apply
+
+
 def _entry(path: str, value: Any) -> Callable[[FakePeer], None]:
     def apply(p: FakePeer) -> None:
         node: Any = p.cache_context_meta["6814"]
@@ -592,8 +601,11 @@ CONNECT_CASES: dict[str, Callable[[FakePeer], None]] = {
     "chunk_size_float": _cfg(chunk_size=16.0),
     "chunk_size_zero": _cfg(chunk_size=0),
     "chunk_size_negative": _cfg(chunk_size=-16),
-    "chunk_size_not_block_multiple": _cfg(chunk_size=24),
-    "chunk_size_absurd": _cfg(chunk_size=2**40),
+    "chunk_size_not_block_multiple": _chunk(24),
+    "chunk_size_absurd": _chunk(2**40),
+    "status_chunk_size_not_block_multiple": _chunk(24, config=False),
+    "status_chunk_size_absurd": _chunk(2**40, config=False),
+    "status_chunk_size_str": _chunk("16", config=False),  # type: ignore[arg-type]
     "transfer_mode_lmcache_driven": _cfg(supported_transfer_mode="lmcache_driven"),
     "transport_grpc": _cfg(transport="grpc"),
     "align_not_power_of_two": lambda p: p.config["storage_manager"]["l1_manager_config"][

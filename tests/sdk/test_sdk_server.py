@@ -1,14 +1,17 @@
-"""lmcache_kv_fast.sdk against a real LMCache 0.5.6 server, with upstream's lmcache.sdk as oracle.
+"""lmcache_kv_fast.sdk against a real LMCache server, with upstream's lmcache.sdk as oracle.
 
-One server with the query module (``--enable transfer_query``); query tensors are
-produced through LMCache's own server-facing classes (``QueryExporter``), the way a
-query-capturing engine stores them. Streams here get their first cache from
-``stream.update`` (the SDK's own store), so the modify pipeline runs without an engine;
-the engine workflow is tests/sdk/test_sdk_engine.py.
+One server with the query module (``--enable transfer_query`` on 0.5.6, the ``qstore``
+server module on 0.5.7, ``query_server_kwargs``); query tensors are produced through the
+server version's own server-facing classes (``QueryExporter``, in that version's venv), the
+way a query-capturing engine stores them. The upstream oracle is the server version's SDK
+(in-process for the main venv's 0.5.6, ``TheirContext`` in its venv otherwise). Streams
+here get their first cache from ``stream.update`` (the SDK's own store), so the modify
+pipeline runs without an engine; the engine workflow is tests/sdk/test_sdk_engine.py.
 """
 
 from __future__ import annotations
 
+import sys
 import threading
 import time
 import weakref
@@ -17,13 +20,14 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import rand_tokens, start_server, unique_model_name
+from conftest import SERVER_VERSION, rand_tokens, start_server, unique_model_name
 
 import lmcache_kv_fast.sdk as lmc_sdk
 from lmcache_kv_fast.errors import InvalidArgumentError, LMCacheSDKError
 from lmcache_kv_fast.sdk.qlayout import QueryLayoutError
 from lmcache_kv_fast.testing import LMCacheServer, register_vllm_layout
-from lmcache_kv_fast.testing.query_export import QUERY_SERVER_ARGS, QueryExporter
+from lmcache_kv_fast.testing.compat import TheirContext
+from lmcache_kv_fast.testing.query_export import QueryExporter, query_server_kwargs
 
 from .ipc_proxy import IpcForwarder
 
@@ -37,15 +41,23 @@ L, NH, HS, HQ = 2, 2, 64, 4
 def qserver() -> Iterator[LMCacheServer]:
     """A real server with the query module, SHM plane, chunk 256."""
     yield from start_server(True, chunk_size=CHUNK, l1_size_gb=0.5,
-                            extra_args=list(QUERY_SERVER_ARGS))
+                            **query_server_kwargs(SERVER_VERSION))
 
 
 @pytest.fixture(scope="module")
 def exporter(qserver) -> Iterator[QueryExporter]:
     """Model 'qmodel': an NHD KV cache (2 heads of 64) and a query ring of 4 heads of 64."""
     with QueryExporter(qserver.url, "qmodel", num_layers=L, num_kv_heads=NH, head_size=HS,
-                       num_q_heads=HQ, chunk_size=CHUNK) as exp:
+                       num_q_heads=HQ, chunk_size=CHUNK, python=qserver.python) as exp:
         yield exp
+
+
+def upstream_connect(server: LMCacheServer, name: str, kind: str = "kv"):
+    """The server version's own SDK context (``lmcache.sdk.kvcache`` / ``.qcache``)."""
+    if server.version is not None and server.python != sys.executable:
+        return TheirContext(server.version, server.url, server.http_url, name, kind=kind)
+    mod = upstream.qcache if kind == "query" else upstream.kvcache
+    return mod.connect(server.url, server.http_url, name)
 
 
 def bits(t: torch.Tensor) -> torch.Tensor:
@@ -83,7 +95,7 @@ def test_kv_interop_with_upstream_both_ways(qserver, mla):
                          layout="MLA" if mla else "NHD")
     shape = (L, 600, 256) if mla else (2, L, 600, NH * HS)
     ours = lmc_sdk.kvcache.connect(qserver.url, qserver.http_url, name)
-    theirs = upstream.kvcache.connect(qserver.url, qserver.http_url, name)
+    theirs = upstream_connect(qserver, name)
     try:
         a, b = rand_tokens(600, 1), rand_tokens(600, 2)
         kv = kv_rand(shape, 3)
@@ -138,7 +150,7 @@ def test_query_read_geometry_from_query_registration(qserver, exporter):
     q = exporter.random_query(512, 10)
     assert exporter.store_query(toks, q)
     ours = lmc_sdk.connect(QUERY, qserver.url, qserver.http_url, "qmodel")
-    theirs = upstream.qcache.connect(qserver.url, qserver.http_url, "qmodel")
+    theirs = upstream_connect(qserver, "qmodel", kind="query")
     try:
         _visible(ours, toks, 512)
         assert ours.kind is QUERY and ours.server_model_name == "qmodel##query"
@@ -176,7 +188,7 @@ def test_query_read_geometry_from_query_registration(qserver, exporter):
 
 
 def test_query_errors_name_what_is_missing(qserver, server_shm, exporter):
-    with pytest.raises(QueryLayoutError, match="--enable transfer_query"):
+    with pytest.raises(QueryLayoutError, match="--enable transfer_query.*plugin_modules.qstore"):
         lmc_sdk.qcache.connect(server_shm.url, server_shm.http_url, "qmodel")
     with pytest.raises(QueryLayoutError, match=r"query registrations: \['qmodel##query'\]"):
         lmc_sdk.qcache.connect(qserver.url, qserver.http_url, "other-model")

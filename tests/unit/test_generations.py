@@ -1,4 +1,4 @@
-"""Server-generation detection and op tables, against what the real servers 0.5.1 .. 0.5.6 show.
+"""Server-generation detection and op tables, against what the real servers 0.5.1 .. 0.5.7rc2 show.
 
 The literal ``mp`` dicts below are ``GET /config`` of each real server (CPU, pickle plane,
 ``--supported-transfer-mode auto``), captured with ``lmcache_kv_fast.testing.compat``; the
@@ -11,12 +11,13 @@ from __future__ import annotations
 import pytest
 
 from lmcache_kv_fast.errors import KVCacheSDKError
-from lmcache_kv_fast.protocol.detect import MP_KEYS_056, detect_generation
+from lmcache_kv_fast.protocol.detect import MP_KEYS_056, MP_KEYS_057, detect_generation
 from lmcache_kv_fast.protocol.ops import (
     GEN_051,
     GEN_053,
     GEN_055,
     GEN_056,
+    GEN_057,
     GENERATIONS,
     NEWEST,
     Generation,
@@ -97,6 +98,21 @@ MP_056 = {
     "worker_registration_grace_seconds": 3600.0, "enable": [], "kv_event_log_size": 32768,
     "null_block_id": 0, "server_modules": [],
 }
+#: GET /version "0.5.7rc2-gbf85b41f"; GET /config "mp" (31 keys: "enable" gone, three new)
+MP_057 = {
+    "transport": "zmq", "host": "127.0.0.1", "port": 42411, "chunk_size": 256,
+    "max_workers": 1, "max_gpu_workers": 1, "max_cpu_workers": 1, "grpc_server_workers": 32,
+    "grpc_server_mode": "sync", "api_key_files": [], "hash_algorithm": "blake3",
+    "engine_type": "default", "separate_object_groups": False,
+    "enable_segmented_prefix": False, "enable_dedup_content": False,
+    "enable_blend_reorder": False, "supported_transfer_mode": "auto", "isolated_ipc": False,
+    "runtime_plugin_config": _PLUGINS, "p2p_config": _P2P, "shm_name": "",
+    "script_allowed_imports": [], "run_script_api_enabled": False,
+    "instance_id": "9ca991ab-ec67-4b3c-ada5-08f181a350e3",
+    "worker_reap_timeout_seconds": 120.0, "session_ttl_seconds": 600.0,
+    "kv_load_policy": "DEFAULT", "worker_registration_grace_seconds": 3600.0,
+    "kv_event_log_size": 32768, "null_block_id": 0, "server_modules": [],
+}
 
 #: version -> (its GET /version, its /config "mp", its generation)
 OBSERVED: dict[str, tuple[str, dict, Generation]] = {
@@ -106,6 +122,7 @@ OBSERVED: dict[str, tuple[str, dict, Generation]] = {
     "0.5.4": ("0.5.4-g3e11b8ed", MP_054, GEN_053),
     "0.5.5": ("0.5.5-g05a013b2", MP_055, GEN_055),
     "0.5.6": ("0.5.6-g3e11e108", MP_056, GEN_056),
+    "0.5.7": ("0.5.7rc2-gbf85b41f", MP_057, GEN_057),
 }
 
 #: RequestType values of the ops the SDK sends: 0.5.1/0.5.2 enum order, and from 0.5.3 on
@@ -154,14 +171,17 @@ def test_key_sets_are_what_the_detector_knows():
     assert set(MP_056) == MP_KEYS_056 and len(MP_056) == 29
     # 0.5.6 also has "transport": the old `"transport" in keys => 0.5.5` rule misread it
     assert "transport" in MP_056
+    assert set(MP_057) == MP_KEYS_057 and len(MP_057) == 31 and "enable" not in MP_057
 
 
 def test_newer_server_tries_newest_with_verification():
-    assert detect_generation("0.5.7-gdeadbee", {}) == (NEWEST, True)
+    assert detect_generation("0.5.8-gdeadbee", {}) == (NEWEST, True)
     assert detect_generation("0.6.0", MP_056) == (NEWEST, True)
-    assert detect_generation("0.5.7.dev3+gabc", {}) == (NEWEST, True)
-    # no /version, but 0.5.6's keys plus new ones: a newer generation
-    assert detect_generation(None, MP_056 | {"some_new_knob": 1}) == (NEWEST, True)
+    assert detect_generation("0.5.8.dev3+gabc", {}) == (NEWEST, True)
+    # a 0.5.7 pre-release or dev build is 0.5.7
+    assert detect_generation("0.5.7.dev3+gabc", {}) == (GEN_057, False)
+    # no /version, but 0.5.7's keys plus new ones: a newer generation
+    assert detect_generation(None, MP_057 | {"some_new_knob": 1}) == (NEWEST, True)
 
 
 @pytest.mark.parametrize("version, mp, shown", [
@@ -195,7 +215,8 @@ def test_parse_version():
 
 
 @pytest.mark.parametrize("gen, ids", [(GEN_051, IDS_051), (GEN_053, IDS_053),
-                                      (GEN_055, IDS_053), (GEN_056, IDS_053)])
+                                      (GEN_055, IDS_053), (GEN_056, IDS_053),
+                                      (GEN_057, IDS_053)])
 def test_op_tables_match_the_servers(gen, ids):
     for op in SDK_OPS:
         assert gen.supports(op), (gen.name, op)
@@ -220,11 +241,18 @@ def test_names_only_where_the_server_decodes_them():
 
 def test_generation_flags():
     # clear: no payload up to 0.5.5 (always forced), one `force` bool in 0.5.6
-    assert [g.clear_takes_force for g in GENERATIONS] == [False, False, False, True]
+    assert [g.clear_takes_force for g in GENERATIONS] == [False, False, False, True, True]
     # lookups reject keys without num_kv_readers from 0.5.5 on (older ones ignore the field)
-    assert [g.requires_num_kv_readers for g in GENERATIONS] == [False, False, True, True]
+    assert [g.requires_num_kv_readers for g in GENERATIONS] == [False, False, True, True, True]
     # register_kv_cache: DeviceIPCWrapper ext data is pickle up to 0.5.5, msgpack in 0.5.6
-    assert [g.ipc_wrapper_ext for g in GENERATIONS] == [False, False, False, True]
-    assert NEWEST is GEN_056
+    assert [g.ipc_wrapper_ext for g in GENERATIONS] == [False, False, False, True, True]
+    # 0.5.7: token_bytes keys, defaulted trailing payloads sent, the envelope plane
+    assert [g.token_bytes_keys for g in GENERATIONS] == [False] * 4 + [True]
+    assert [g.inline_envelope for g in GENERATIONS] == [False] * 4 + [True]
+    assert [g.events_capability for g in GENERATIONS] == [False] * 3 + [True, False]
+    assert GEN_057.payloads(Op.PREPARE_STORE, ["k", 1]) == ("k", 1, ())
+    assert GEN_057.payloads(Op.FREE_LOOKUP_LOCKS, ["k", 1]) == ("k", 1, ())
+    assert GEN_056.payloads(Op.PREPARE_STORE, ["k", 1]) == ["k", 1]
+    assert NEWEST is GEN_057
     covered = [v for g in GENERATIONS for v in g.versions]
     assert covered == sorted(OBSERVED)

@@ -2,13 +2,23 @@
 
 from __future__ import annotations
 
+import struct
+
 import msgspec
 import pytest
 
 from lmcache_kv_fast.errors import KVCacheSDKError, ProtocolError
 from lmcache_kv_fast.protocol import codec
 from lmcache_kv_fast.protocol.detect import MP_KEYS_051, detect_generation
-from lmcache_kv_fast.protocol.ops import GEN_051, GEN_053, GEN_055, GEN_056, GENERATIONS, Op
+from lmcache_kv_fast.protocol.ops import (
+    GEN_051,
+    GEN_053,
+    GEN_055,
+    GEN_056,
+    GENERATIONS,
+    NEWEST,
+    Op,
+)
 from lmcache_kv_fast.protocol.types import (
     IPCCacheServerKey,
     PrepareRetrieveResponse,
@@ -111,7 +121,7 @@ def test_detect_generation(version, mp, want):
 
 def test_detect_newer_is_tried_with_verification():
     gen, verify = detect_generation("0.6.0", {})
-    assert gen is GEN_056 and verify is True
+    assert gen is NEWEST and verify is True
 
 
 @pytest.mark.parametrize("version, mp", [("0.4.9", {}), ("garbage", {}),
@@ -119,3 +129,24 @@ def test_detect_newer_is_tried_with_verification():
 def test_detect_unrecognisable(version, mp):
     with pytest.raises(KVCacheSDKError):
         detect_generation(version, mp)
+
+
+def test_key_057_packs_tokens_big_endian():
+    from lmcache_kv_fast.protocol.keys import make_key, pack_tokens, token_list
+    from lmcache_kv_fast.protocol.ops import GEN_057
+
+    toks = [0, 1, 258, 2**32 - 1]
+    key = make_key(GEN_057, model_name="m", world_size=1, worker_id=0, tokens=toks, start=0,
+                   end=4, request_id="r")
+    frame = codec.decode(codec.encode(key), dict, what="key")
+    # the server's field order (mp/custom_types.py IPCCacheServerKey), token_bytes not token_ids
+    assert list(frame) == ["model_name", "world_size", "worker_id", "token_bytes", "start",
+                           "end", "request_id", "cache_salt", "request_configs",
+                           "num_kv_readers"]
+    assert frame["token_bytes"] == struct.pack(">4I", *toks) == pack_tokens(toks)
+    assert token_list(key) == toks
+    old = make_key(GEN_056, model_name="m", world_size=1, worker_id=0, tokens=toks, start=0,
+                   end=4, request_id="r")
+    assert isinstance(old, IPCCacheServerKey) and token_list(old) == toks
+    with pytest.raises(OverflowError):
+        pack_tokens([2**32])

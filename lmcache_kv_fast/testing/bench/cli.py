@@ -69,6 +69,10 @@ def build_parser() -> argparse.ArgumentParser:
                    f"from the workloads, <= {SHM_CAP_GIB:g})")
     g.add_argument("--pickle-l1-gb", type=float, help="L1 of the started pickle server")
     g.add_argument("--chunk-size", type=int, default=256)
+    g.add_argument("--server-version", metavar="VER",
+                   help="start servers of this LMCache version (e.g. 0.5.7rc2) from its venv "
+                        ".venv-compat/VER (scripts/compat-venvs.sh VER); the upstream path "
+                        "is that version's own SDK")
     g.add_argument("--server-malloc", choices=("tuned", "default"), default="tuned",
                    help="glibc settings of the servers started here: 'tuned' (docs/deployment.md's "
                         "deployment settings: MALLOC_ARENA_MAX=1, 512 MiB mmap threshold; "

@@ -202,6 +202,23 @@ class _UpstreamPath:
         return moved, ""
 
 
+def _version_skew(server_version: str) -> str | None:
+    """Why this process's lmcache SDK cannot serve as the upstream path, or None.
+
+    W5 runs upstream in this process: an SDK of another release than the server's does not
+    speak its dialect (0.5.6's SDK gets no reply from a 0.5.7 server).
+    """
+    from importlib.metadata import version
+
+    from lmcache_kv_fast.protocol.ops import generation_for
+
+    ours = version("lmcache")
+    if generation_for(ours) is generation_for(server_version):
+        return None
+    return (f"this process's lmcache {ours} SDK does not speak the server's "
+            f"{server_version} dialect (W5 runs upstream in-process)")
+
+
 def _connect_upstream(url: str, http_url: str, model: str, cpu: Any) -> Any:
     """Upstream's context, given the engine's single-plane rows as a vLLM-style layout."""
     import lmcache.sdk.kvcache as upstream
@@ -288,6 +305,10 @@ def run_w5(args: argparse.Namespace, *, server: Any = None, engine: Any = None) 
             raise SystemExit(f"W5: connect() found no CPU engine for {model!r}")
         paths: list[Any] = [_KvfPath(KVF, ctx, s), _KvfPath(KVF_BATCH, ctx, s)]
         up_ok = not args.no_upstream and importlib.util.find_spec("lmcache") is not None
+        skew = _version_skew(ctx.server_version) if up_ok else None
+        if skew is not None:
+            up_ok = False
+            notes.append(f"upstream path skipped: {skew}")
         if up_ok:
             t0 = time.perf_counter()
             up = _connect_upstream(server.url, server.http_url, model, ctx.engine_kv)
@@ -296,7 +317,7 @@ def run_w5(args: argparse.Namespace, *, server: Any = None, engine: Any = None) 
             stack.callback(up.close)
             setup["upstream connect (layout supplied)"] = time.perf_counter() - t0
             paths.append(_UpstreamPath(up, ctx.engine_kv, s))
-        else:
+        elif skew is None:
             notes.append("upstream path skipped: " + ("--no-upstream" if args.no_upstream
                                                       else "lmcache is not importable"))
         results = [PathResult(p.name) for p in paths]

@@ -37,8 +37,11 @@ IC_SCRIPTS = {
 
 
 def run_ic(kinds: Sequence[str], url: str, http_url: str, model: str, reps: int, warmup: int,
-           progress: Progress, notes: list[str]) -> dict[str, dict[str, list[float]]]:
+           progress: Progress, notes: list[str], upstream_python: str | None = None
+           ) -> dict[str, dict[str, list[float]]]:
     """Import + connect in fresh interpreters, interleaved; seconds per part.
+
+    ``upstream_python``: the interpreter of the upstream SDK (default: this one).
 
     Every contender imports from cached bytecode, as from an installed package: the
     children write and read ``.pyc`` files under one temporary ``PYTHONPYCACHEPREFIX``
@@ -54,20 +57,24 @@ def run_ic(kinds: Sequence[str], url: str, http_url: str, model: str, reps: int,
     env["PYTHONPYCACHEPREFIX"] = pycache
     try:
         for k in kinds:  # compile and cache every module the timed rounds import
-            subprocess.run([sys.executable, "-c", IC_SCRIPTS[k], url, http_url, model],
+            subprocess.run([_python(k, upstream_python), "-c", IC_SCRIPTS[k], url, http_url,
+                            model],
                            capture_output=True, env=env, timeout=180, stdin=subprocess.DEVNULL)
-        return _ic_rounds(kinds, url, http_url, model, reps, warmup, progress, notes, env, res)
+        return _ic_rounds(kinds, url, http_url, model, reps, warmup, progress, notes, env, res,
+                          upstream_python)
     finally:
         shutil.rmtree(pycache, ignore_errors=True)
 
 
 def _ic_rounds(kinds: Sequence[str], url: str, http_url: str, model: str, reps: int,
                warmup: int, progress: Progress, notes: list[str], env: dict[str, str],
-               res: dict[str, dict[str, list[float]]]) -> dict[str, dict[str, list[float]]]:
+               res: dict[str, dict[str, list[float]]], upstream_python: str | None
+               ) -> dict[str, dict[str, list[float]]]:
     for i in range(warmup + reps):
         for k in kinds:
             t0 = time.perf_counter()
-            p = subprocess.run([sys.executable, "-c", IC_SCRIPTS[k], url, http_url, model],
+            p = subprocess.run([_python(k, upstream_python), "-c", IC_SCRIPTS[k], url, http_url,
+                            model],
                                capture_output=True, text=True, env=env, timeout=180,
                                stdin=subprocess.DEVNULL)
             wall = time.perf_counter() - t0
@@ -82,3 +89,7 @@ def _ic_rounds(kinds: Sequence[str], url: str, http_url: str, model: str, reps: 
                 res[k]["process"].append(wall)
             progress.step(f"IC {k}")
     return res
+
+
+def _python(kind: str, upstream_python: str | None) -> str:
+    return (upstream_python if kind == IC_UP else None) or sys.executable

@@ -104,7 +104,8 @@ class WorkerProc:
         self.skip_reason = ""
         self._q: queue.Queue[str | None] = queue.Queue()
         self.proc = subprocess.Popen(
-            [sys.executable, "-c", BOOT.format(path=str(BENCH_DIR)), str(spec_path)],
+            [(self.kind == "upstream" and spec.get("upstream_python")) or sys.executable,
+             "-c", BOOT.format(path=str(BENCH_DIR)), str(spec_path)],
             stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self._log, text=True,
             env=child_env(None if self.kind == "upstream" else self.kind),
         )

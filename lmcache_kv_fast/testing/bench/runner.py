@@ -22,7 +22,7 @@ from .helpers import http_clear, punch_segment
 from .ic import run_ic
 from .names import IC_KVF, IC_TORCH, IC_UP
 from .procs import Progress, WorkerProc
-from .servers import register_models, servers
+from .servers import register_models, server_python, servers
 from .sizes import Sizes
 from .stats import Key
 from .workloads import GLOBAL_OPS, op_reps, worker_plan
@@ -100,11 +100,15 @@ def run(args: argparse.Namespace, s: Sizes, workloads: Sequence[str], *,
             "sizes": asdict(s), "threads": list(threads), "default_threads": default_threads,
             "workloads": list(workloads), "seed": 0, "models": shm.models,
             "w3_edit": args.w3_edit, "w3_no_alloc": args.w3_no_alloc,
+            "upstream_python": server_python(args),
             "shm": {"url": shm.url, "http_url": shm.http_url, "segment": shm.segment,
                     "l1_gib": shm.l1_gib},
             "pickle": None if pick is None else {"url": pick.url, "http_url": pick.http_url,
                                                  "l1_gib": pick.l1_gib},
         }
+        if base_spec["upstream_python"]:
+            notes.append(f"servers and the upstream SDK: lmcache {args.server_version} "
+                         f"({base_spec['upstream_python']})")
         if pick is not None and pick.models != shm.models:
             notes.append("model names differ between servers")
         ic_kinds = [IC_TORCH, IC_KVF] + ([IC_UP] if with_upstream else [])
@@ -119,7 +123,7 @@ def run(args: argparse.Namespace, s: Sizes, workloads: Sequence[str], *,
                 http_clear(shm.http_url)
                 punch_segment(shm.segment)
                 res.ic = run_ic(ic_kinds, shm.url, shm.http_url, shm.models["w1"], s.ic_reps,
-                                s.ic_warmup, progress, notes)
+                                s.ic_warmup, progress, notes, server_python(args))
             procs = [WorkerProc({**base_spec, "worker": w}, workdir) for w in workers]
             for p in procs:
                 if not p.wait_ready(timeout):

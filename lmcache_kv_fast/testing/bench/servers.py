@@ -70,14 +70,15 @@ def servers(args: argparse.Namespace, s: Sizes, workloads: Sequence[str],
                 srv.stop()
 
         threads = []
+        py = {"python": server_python(args), "version": args.server_version}
         if not (args.url and args.http_url):
             srv = LMCacheServer(shm=True, l1_size_gb=shm_gib, chunk_size=args.chunk_size,
-                                malloc_tuning=args.server_malloc == "tuned")
+                                malloc_tuning=args.server_malloc == "tuned", **py)
             stack.callback(srv.stop)
             threads.append(threading.Thread(target=start, args=("shm", srv)))
         if want_pickle and not (args.pickle_url and args.pickle_http_url):
             psrv = LMCacheServer(shm=False, l1_size_gb=pick_gib, chunk_size=args.chunk_size,
-                                 malloc_tuning=args.server_malloc == "tuned")
+                                 malloc_tuning=args.server_malloc == "tuned", **py)
             stack.callback(psrv.stop)
             threads.append(threading.Thread(target=start, args=("pickle", psrv)))
         for t in threads:
@@ -109,14 +110,32 @@ def servers(args: argparse.Namespace, s: Sizes, workloads: Sequence[str],
         yield shm, pick
 
 
+def server_python(args: argparse.Namespace) -> str | None:
+    """The interpreter of ``--server-version``'s venv (None: this one's lmcache).
+
+    Raises:
+        SystemExit: That version has no venv (the message says how to make one).
+    """
+    if not getattr(args, "server_version", None):
+        return None
+    from lmcache_kv_fast.testing.compat import missing_venv_hint, venv_python
+
+    py = venv_python(args.server_version)
+    if py is None:
+        raise SystemExit(missing_venv_hint(args.server_version))
+    return py
+
+
 def register_models(srv: Server, which: dict[str, int], stack: contextlib.ExitStack) -> None:
     """Register a vLLM-like layout per ``{key: layers}`` on ``srv`` (unregistered by ``stack``)."""
+    from lmcache_kv_fast.protocol.ops import NEWEST, generation_for
     from lmcache_kv_fast.testing import register_vllm_layout
 
+    gen = generation_for(srv.version or "") or NEWEST
     for key, layers in which.items():
         name = f"bench-{key}-L{layers}-{os.getpid()}"
         reg = register_vllm_layout(srv.url, name, num_layers=layers, num_kv_heads=KV_HEADS,
-                                   head_size=HEAD_SIZE)
+                                   head_size=HEAD_SIZE, generation=gen)
         stack.callback(_quiet, reg.unregister)
         srv.models[key] = name
 

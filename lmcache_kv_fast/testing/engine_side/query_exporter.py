@@ -90,9 +90,11 @@ class Exporter:
         from lmcache.v1.multiprocess.custom_types import IPCCacheServerKey
 
         self._n += 1
-        return IPCCacheServerKey(model_name=name, world_size=1, num_kv_readers=1, worker_id=0,
-                                 token_ids=tuple(tokens), start=0, end=end,
-                                 request_id=f"qexport-{self.iid}-{self._n}", cache_salt=salt)
+        fields = dict(model_name=name, world_size=1, num_kv_readers=1, worker_id=0, start=0,
+                      end=end, request_id=f"qexport-{self.iid}-{self._n}", cache_salt=salt)
+        if hasattr(IPCCacheServerKey, "from_token_ids"):  # 0.5.7+: packed token_bytes
+            return IPCCacheServerKey.from_token_ids(token_ids=tuple(tokens), **fields)
+        return IPCCacheServerKey(token_ids=tuple(tokens), **fields)
 
     def _blocks(self, tokens: int) -> list[int]:
         n = tokens // self.bs
