@@ -483,3 +483,24 @@ def test_store_timed_out_is_finished_late(grpc56_shm):
         _assert_nothing_held(srv, timeout=10.0)
     finally:
         ctx.close()
+
+
+def test_batch_over_grpc(grpc57_shm):
+    """The batch layer runs on the same channels: store_many, retrieve_many, rewrite."""
+    from lmcache_kv_fast import batch
+
+    ctx = _connect(grpc57_shm)
+    try:
+        items = [(_kv(2 * C, seed=60 + i), rand_tokens(2 * C, seed=70 + i)) for i in range(6)]
+        rep = batch.store_many(ctx, items, max_in_flight=3)
+        assert rep.ok == 6 and rep.failed == 0
+        got = dict(batch.retrieve_many(ctx, [t for _, t in items], max_in_flight=3))
+        assert all(_same(got[i], kv) for i, (kv, _) in enumerate(items))
+        rep = batch.rewrite(ctx, [t for _, t in items[:2]],
+                            lambda kv, toks: (kv.neg(), [t + 1 for t in toks]), progress=False)
+        assert rep.ok == 2
+        moved = [t + 1 for t in items[0][1]]
+        assert _same(ctx.retrieve(moved), items[0][0].neg())
+    finally:
+        ctx.close()
+    _assert_nothing_held(grpc57_shm)
