@@ -323,6 +323,11 @@ def test_upstream_sdk_over_grpc_interop(version, fixture, request, tmp_path):
             kv = torch.randn(2, 2, 2 * C, 256).to(torch.bfloat16)
             assert theirs.store(h, kv, toks)
             assert _same(ours.retrieve(toks), kv)
+            import lmcache_kv_fast.sdk as lsdk  # the 0.5.6 sdk package takes grpc:// too
+
+            with lsdk.connect(lsdk.LMCacheSDKCacheKind.KV, srv.url, srv.http_url, name,
+                              timeout=30) as sctx:
+                assert _same(sctx.retrieve(toks), kv)
             toks_b = rand_tokens(3 * C, seed=12)
             kv_b = torch.randn(2, 2, 3 * C, 256).to(torch.bfloat16)
             assert ours.store(kv_b, toks_b)
