@@ -15,10 +15,11 @@ import lmcache_kv_fast as lkf
 import lmcache_kv_fast.kvcache as lmc_sdk
 from lmcache_kv_fast import KVLayout
 from lmcache_kv_fast.copy.torch_backend import open_segment
+from lmcache_kv_fast.dataplane.envelope import EnvelopeFrameBuilder
 from lmcache_kv_fast.dataplane.pickle_plane import dumps_chunks
 from lmcache_kv_fast.protocol import codec
 from lmcache_kv_fast.protocol.keys import make_key
-from lmcache_kv_fast.protocol.ops import Op
+from lmcache_kv_fast.protocol.ops import Generation, Op
 from lmcache_kv_fast.protocol.types import (
     PrepareStoreResponse,
     RegisterEngineDrivenContextPayload,
@@ -104,6 +105,16 @@ def _raw_register(client: ZmqClient, name: str, ws: int, layers: int, hidden: in
     return iid, r.shm_name
 
 
+def _inline_frame(gen: Generation, chunk: torch.Tensor) -> bytes:
+    """One chunk as the inline plane's commit_store frame: pickled, or a 0.5.7 envelope."""
+    if not gen.inline_envelope:
+        return codec.encode(dumps_chunks([chunk]))
+    _backing, frame, (off,) = EnvelopeFrameBuilder(tuple(chunk.shape), chunk.dtype).build(1)
+    raw = chunk.reshape(-1).view(torch.uint8).numpy().tobytes()
+    frame[off:off + len(raw)] = raw
+    return bytes(frame)
+
+
 def test_tp_interop_with_per_rank_stores(server):
     """Data stored shard by shard as vLLM workers store it (worker_id=r keys of per-rank
     tensors) comes back as the full tensor; ours stored is readable per rank."""
@@ -124,8 +135,8 @@ def test_tp_interop_with_per_rank_stores(server):
                 reg.tensor.view(torch.bfloat16).copy_(shard.reshape(-1))
                 assert client.call(Op.COMMIT_STORE, [key, iid], None, raw=[codec.encode(b"")])
             else:
-                payload = codec.encode(dumps_chunks([shard]))
-                assert client.call(Op.COMMIT_STORE, [key, iid], None, raw=[payload])
+                assert client.call(Op.COMMIT_STORE, [key, iid], None,
+                                   raw=[_inline_frame(server.generation, shard)])
             client.call(Op.END_SESSION, [key.request_id])
         with lmc_sdk.connect(server.url, server.http_url, m.name) as ctx:
             assert torch.equal(ctx.retrieve(toks), kv)
