@@ -509,3 +509,67 @@ def test_batch_over_grpc(grpc57_shm):
     finally:
         ctx.close()
     _assert_nothing_held(grpc57_shm)
+
+
+class _UnixToTcp:
+    """Forward a Unix socket to the server's TCP port, byte for byte (the server binds TCP
+    only; a ``grpc+unix://`` URL reaches it through a forwarder like this one)."""
+
+    def __init__(self, port: int, path: str) -> None:
+        import socket
+
+        self.port, self.path = port, path
+        self.listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        self.listener.bind(path)
+        self.listener.listen(8)
+        self.connections = 0
+        threading.Thread(target=self._accept, daemon=True).start()
+
+    def _accept(self) -> None:
+        import socket
+
+        while True:
+            try:
+                front, _ = self.listener.accept()
+            except OSError:
+                return
+            self.connections += 1
+            back = socket.create_connection(("127.0.0.1", self.port))
+            for a, b in ((front, back), (back, front)):
+                threading.Thread(target=self._pump, args=(a, b), daemon=True).start()
+
+    @staticmethod
+    def _pump(src, dst) -> None:
+        try:
+            while data := src.recv(1 << 16):
+                dst.sendall(data)
+        except OSError:
+            pass
+        finally:
+            for s in (src, dst):
+                try:
+                    s.shutdown(2)
+                except OSError:
+                    pass
+
+    def close(self) -> None:
+        self.listener.close()
+        os.unlink(self.path)
+
+
+def test_grpc_unix_url_through_a_forwarder(grpc57_shm, tmp_path):
+    fwd = _UnixToTcp(grpc57_shm.port, str(tmp_path / "mp.sock"))
+    try:
+        url = f"grpc+unix://{fwd.path}"
+        ctx = lmc_sdk.connect(url, grpc57_shm.http_url, unique_model_name("gu"),
+                              layout=LAYOUT, timeout=20)
+        try:
+            toks = rand_tokens(C, seed=81)
+            kv = _kv(C, seed=82)
+            assert ctx.store(kv, toks)
+            assert _same(ctx.retrieve(toks), kv)
+        finally:
+            ctx.close()
+        assert fwd.connections >= 1  # the calls really went through the Unix socket
+    finally:
+        fwd.close()
