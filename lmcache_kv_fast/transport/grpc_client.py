@@ -129,9 +129,13 @@ class GrpcChannel:
         call = GrpcCall(uid, uid.to_bytes(8, "big"), op, method.path.encode(), time.monotonic())
         with client.active():
             self._inflight[call.uid_frame] = call
-            call.future = client.stub(method).future(
-                request, timeout=client.call_deadline, metadata=self._metadata,
-                wait_for_ready=True)
+            try:
+                call.future = client.stub(method).future(
+                    request, timeout=client.call_deadline, metadata=self._metadata,
+                    wait_for_ready=True)
+            except BaseException:
+                self._inflight.pop(call.uid_frame, None)
+                raise
         call.future.add_done_callback(lambda _f, c=call: self._done(c))
         return call
 
