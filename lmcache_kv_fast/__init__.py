@@ -9,12 +9,15 @@ from __future__ import annotations
 from lmcache_kv_fast.context import LMCacheKVCacheContext, OpTiming, StoreResult
 from lmcache_kv_fast.copy.select import backend_name as _backend_name
 from lmcache_kv_fast.errors import (
+    ConnectionLostError,
     ContextClosedError,
     InvalidArgumentError,
     InvalidTypeError,
     KVCacheSDKError,
     LMCacheSDKError,
+    MissingExtraError,
     ProtocolError,
+    ServerError,
     ServerTimeoutError,
     ServerUnavailableError,
 )
@@ -24,6 +27,7 @@ from lmcache_kv_fast.layout import KVLayout
 __version__ = "0.1.0"
 
 __all__ = [
+    "ConnectionLostError",
     "ContextClosedError",
     "InvalidArgumentError",
     "InvalidTypeError",
@@ -31,8 +35,10 @@ __all__ = [
     "KVLayout",
     "LMCacheKVCacheContext",
     "LMCacheSDKError",
+    "MissingExtraError",
     "OpTiming",
     "ProtocolError",
+    "ServerError",
     "ServerTimeoutError",
     "ServerUnavailableError",
     "StoreResult",

@@ -59,6 +59,26 @@ class MissingExtraError(KVCacheSDKError, ImportError):
     """An optional dependency is not installed; the message names the extra to install."""
 
 
+class ServerError(ProtocolError):
+    """The server answered a request with an error (gRPC transport only).
+
+    Over ZMQ a failed request gets no reply at all (``ServerTimeoutError``); over gRPC the
+    server's exception comes back as a status (``UNKNOWN`` with its message,
+    ``UNIMPLEMENTED`` for a disabled operation, ...). ``code`` is the status name.
+    """
+
+    code: str = ""
+
+
+class ConnectionLostError(ServerTimeoutError, ServerUnavailableError):
+    """The connection to the server dropped while a request was in flight (gRPC).
+
+    Both a ``ServerTimeoutError`` (the request got no reply: the flows settle it like one
+    that timed out, and a restarted server turns it into "reconnect") and a
+    ``ServerUnavailableError``.
+    """
+
+
 class AuthenticationError(KVCacheSDKError, PermissionError):
     """The server refused this client's API key, or wants one and none was given.
 

@@ -24,7 +24,7 @@ from lmcache_kv_fast.protocol.constants import (
     MAX_CACHE_SALT_LEN,
     MAX_TOKEN_ID,
 )
-from lmcache_kv_fast.transport.urls import parse_http_url, parse_zmq_url
+from lmcache_kv_fast.transport.urls import parse_control_url, parse_http_url
 
 #: Most copy threads the native core takes (csrc/thread_pool.cpp ``set_threads``).
 MAX_COPY_THREADS = 1024
@@ -198,7 +198,7 @@ def check_connect_args(url: Any, http_url: Any, model_name: Any, timeout: Any,
             a thread count outside ``[1, MAX_COPY_THREADS]``.
         InvalidTypeError: A model name that is not a plain str.
     """
-    parse_zmq_url(url, "url")
+    parse_control_url(url, "url")
     parse_http_url(http_url, "http_url")
     if isinstance(model_name, str) and not model_name:
         raise InvalidArgumentError("model_name must be a non-empty str, got ''")

@@ -22,6 +22,7 @@ from lmcache_kv_fast.errors import (
     InvalidTypeError,
     KVCacheSDKError,
     ProtocolError,
+    ServerError,
     ServerTimeoutError,
     UnsupportedServerError,
 )
@@ -32,15 +33,15 @@ from lmcache_kv_fast.protocol.keys import make_key
 from lmcache_kv_fast.protocol.mp_config import (
     live_chunk_size,
     mp_chunk_size,
-    require_zmq_transport,
+    require_transport,
 )
 from lmcache_kv_fast.protocol.ops import Op, known_versions
 from lmcache_kv_fast.protocol.types import (
     RegisterEngineDrivenContextPayload,
     RegisterEngineDrivenContextResponse,
 )
+from lmcache_kv_fast.transport import control_transport, open_control
 from lmcache_kv_fast.transport.http import HttpInfoClient
-from lmcache_kv_fast.transport.zmq_client import ZmqClient
 
 logger = logging.getLogger(__name__)
 
@@ -64,13 +65,15 @@ def handshake(s: SessionState, layout: KVLayout | None, world_size: int | None,
     engine-driven (CPU) engine is derived from ``/status`` and the model's configuration
     (``client/engine_kv.py``; ``engine``: connect's hints for that).
 
-    The ZMQ client, the registration and the SHM mapping are recorded on ``s`` as soon as
-    they exist, so that ``s.teardown()`` undoes a handshake that failed half-way.
+    The control-plane client (ZMQ or gRPC, from the URL), the registration and the SHM
+    mapping are recorded on ``s`` as soon as they exist, so that ``s.teardown()`` undoes a
+    handshake that failed half-way.
 
     Raises:
         KVCacheSDKError: The server cannot be used (see the message for why).
     """
     probe = min(s.timeout, CONNECT_PROBE_TIMEOUT_S)
+    transport = control_transport(s.url)  # a gRPC URL without grpcio: MissingExtraError
     http = HttpInfoClient(s.http_url, probe, s.api_key)
     cfg = http.config()
     mp = cfg["mp"]
@@ -82,24 +85,25 @@ def handshake(s: SessionState, layout: KVLayout | None, world_size: int | None,
             "the SDK needs 'auto' or 'engine_driven' (restart the server with "
             "--supported-transfer-mode auto)"
         )
-    require_zmq_transport(mp, s.http_url)
+    require_transport(mp, s.http_url, s.url, transport)
     version = http.version()
     gen, verify = detect_generation(version, mp)
     s.generation = gen
     s.server_version = version.strip('"') if version else f"{gen.name} (detected)"
     workers = mp.get("max_cpu_workers") or mp.get("max_workers") or 1
-    s.fifo_normal_pool = workers == 1
+    # gRPC runs requests on its thread pool: no order, even with one worker
+    s.fifo_normal_pool = workers == 1 and transport == "zmq"
     s.align = _align_from_config(cfg)
     _liveness_from_config(s, cfg)
 
-    s.zmq = ZmqClient(s.url, gen, s.timeout)
+    s.zmq = open_control(s.url, gen, s.timeout)
     try:
         reply = s.zmq.call(Op.NOOP, (), None, probe)
     except ServerTimeoutError as err:
         raise KVCacheSDKError(
             f"nothing answers noop on {s.url} within {probe:g}s (HTTP at "
-            f"{s.http_url} does). Check the ZMQ URL/port, or the server's request "
-            "loop is dead (restart it)"
+            f"{s.http_url} does). Check the {transport.upper()} URL/port, or the server's "
+            "request loop is dead (restart it)"
         ) from err
     if reply != "OK":
         raise _unsupported(s, version, f"noop answered {reply!r}, expected 'OK'") if verify \
@@ -142,6 +146,9 @@ def _verify_dialect(s: SessionState, version: str | None, probe: float) -> None:
         s.zmq.call(Op.FREE_LOOKUP_LOCKS, [key, 1], None, min(probe, DIALECT_PROBE_TIMEOUT_S))
     except ServerTimeoutError:
         raise _unsupported(s, version, "a keyed request in that dialect got no reply") \
+            from None
+    except ServerError as err:  # gRPC: the server's decode error comes back as a status
+        raise _unsupported(s, version, f"a keyed request in that dialect failed: {err}") \
             from None
     s.zmq.tried_dialect = f"{s.generation.name} dialect tried on newer server {version!r:.60}"
     logger.warning("LMCache server %s at %s is newer than this SDK knows (%s); its %s "

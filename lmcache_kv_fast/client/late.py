@@ -15,7 +15,8 @@ call. An obligation is a generator written like the flow it finishes: it yields
 reservation filled from a snapshot of the caller's KV, ``commit_retrieve``,
 ``free_lookup_locks``, ``end_session``) and returns when the server holds nothing more of
 that operation. The context's background thread drives every obligation
-(:meth:`LateReplies.drive`, one ``zmq.Poller`` over the retired sockets) while any is
+(:meth:`LateReplies.drive`, one poll over the retired channels: a ``zmq.Poller`` over
+their sockets, or the gRPC client's completion condition) while any is
 pending; ``close()`` drives them for a bounded time before it unregisters
 (:meth:`LateReplies.settle`).
 
@@ -165,11 +166,8 @@ class LateReplies:
                 items = list(self._items)
             if not items:
                 return
-            poller = zmq.Poller()
-            for ch, _ in items:
-                poller.register(ch.sock, zmq.POLLIN)
-            try:
-                ready = dict(poller.poll(max(0, int(timeout_s * 1000))))
+            try:  # every retired channel is one of the session's client's
+                ready = items[0][0].client.poll([ch for ch, _ in items], timeout_s)
             except zmq.ZMQError as err:  # closed under us: close() runs
                 logger.debug("polling late replies: %s", err)
                 return
@@ -179,7 +177,7 @@ class LateReplies:
                 # poll slice ago, or before a stall of this process).
                 arrived_after = ob.polled_at
                 ob.polled_at = now
-                self._advance(ch, ob, ch.sock in ready, now, arrived_after)
+                self._advance(ch, ob, ch in ready, now, arrived_after)
         finally:
             self._drive_lock.release()
 

@@ -33,7 +33,7 @@ import time
 import weakref
 from collections.abc import Iterator, Sequence
 from types import ModuleType
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -59,6 +59,9 @@ from lmcache_kv_fast.transport.api_key import ApiKey
 from lmcache_kv_fast.transport.http import HttpInfoClient
 from lmcache_kv_fast.transport.releases import DeferredReleases
 from lmcache_kv_fast.transport.zmq_client import Channel, PendingCall, ZmqClient
+
+if TYPE_CHECKING:
+    from lmcache_kv_fast.transport.grpc_client import GrpcClient
 
 logger = logging.getLogger(__name__)
 
@@ -142,7 +145,8 @@ class Session:
         #: Set once the server is known to have forgotten this instance (restart / reap).
         self.forgotten: str | None = None
         self.peer_lost = False
-        self.zmq: ZmqClient | None = None
+        #: The control-plane client, ZMQ or gRPC (``transport.open_control``).
+        self.zmq: ZmqClient | GrpcClient | None = None
         self.shm: ShmPlane | None = None
         self.registered = False
         #: The writer registration exists apart from the reader's (SHM plane).
@@ -497,7 +501,7 @@ class Session:
         if self.writer_id != self.instance_id and not self.writer_kept:
             release_instance_id(self.writer_id)
 
-    def _unregister(self, zmq_client: ZmqClient, drained: bool) -> None:
+    def _unregister(self, zmq_client: ZmqClient | GrpcClient, drained: bool) -> None:
         """Unregister the reader, and the writer unless a reservation of it may be pending."""
         probe = min(self.timeout, CONNECT_PROBE_TIMEOUT_S)
         ids = [self.instance_id]

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import threading
 from types import ModuleType
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 from lmcache_kv_fast.client.late import LateReplies
 from lmcache_kv_fast.copy import ChunkGeometry
@@ -20,6 +20,9 @@ from lmcache_kv_fast.protocol.types import RegisterEngineDrivenContextPayload
 from lmcache_kv_fast.transport.api_key import ApiKey
 from lmcache_kv_fast.transport.releases import DeferredReleases
 from lmcache_kv_fast.transport.zmq_client import ZmqClient
+
+if TYPE_CHECKING:
+    from lmcache_kv_fast.transport.grpc_client import GrpcClient
 
 
 class SessionState(Protocol):
@@ -40,7 +43,7 @@ class SessionState(Protocol):
     read_ttl_s: float
     late: LateReplies
     backend: ModuleType
-    zmq: ZmqClient | None
+    zmq: ZmqClient | GrpcClient | None  # the control plane (named zmq before gRPC)
     shm: ShmPlane | None
     registered: bool
     releases: DeferredReleases | None

@@ -56,6 +56,7 @@ from lmcache_kv_fast.events.stream import (
     KVEventSubscription,
     subscribe,
 )
+from lmcache_kv_fast.events.stream_grpc import GrpcKVEventSubscription
 from lmcache_kv_fast.events.stream_io import (
     KVEventBatch,
     KVEventTimeout,
@@ -86,6 +87,7 @@ __all__ = [
     "BlockRemoved",
     "BlockStored",
     "EventsEndpoint",
+    "GrpcKVEventSubscription",
     "KVEventBatch",
     "KVEventPublisher",
     "KVEventRecord",

@@ -17,11 +17,11 @@ from lmcache_kv_fast.events.common import _PROBE_TIMEOUT_S
 from lmcache_kv_fast.hashing import HASH_ALGORITHM
 from lmcache_kv_fast.protocol.constants import DEFAULT_REAP_TIMEOUT_S, FORBIDDEN_MODEL_CHARS
 from lmcache_kv_fast.protocol.detect import detect_generation
-from lmcache_kv_fast.protocol.mp_config import mp_chunk_size, require_zmq_transport
+from lmcache_kv_fast.protocol.mp_config import mp_chunk_size, require_transport
 from lmcache_kv_fast.protocol.ops import Generation
 from lmcache_kv_fast.transport.api_key import ApiKey
 from lmcache_kv_fast.transport.http import HttpInfoClient
-from lmcache_kv_fast.transport.urls import parse_http_url, parse_zmq_url
+from lmcache_kv_fast.transport.urls import parse_control_url, parse_http_url
 
 
 @dataclass(frozen=True)
@@ -32,7 +32,7 @@ class EventsEndpoint:
     use this for a process that only watches events (``lmcache-kv-fast events``).
 
     Attributes:
-        url: ZMQ URL ``tcp://host:port``.
+        url: Control-plane URL ``tcp://host:port`` (or ``grpc://host:port``).
         http_url: HTTP URL ``http://host:port``.
         model_name: Model whose events are wanted.
         generation: Wire dialect of the server.
@@ -76,7 +76,7 @@ class EventsEndpoint:
         http = HttpInfoClient(http_url.rstrip("/"), min(timeout, _PROBE_TIMEOUT_S), api_key)
         mp = http.config()["mp"]
         chunk = mp_chunk_size(mp)
-        require_zmq_transport(mp, http_url)
+        require_transport(mp, http_url, url, parse_control_url(url).transport)
         version = http.version()
         gen, _ = detect_generation(version, mp)
         return cls(
@@ -90,7 +90,7 @@ class EventsEndpoint:
 
 
 def _check_endpoint_args(url: Any, http_url: Any, model_name: Any, timeout: Any) -> None:
-    parse_zmq_url(url, "url")
+    parse_control_url(url, "url")
     parse_http_url(http_url, "http_url")
     if not isinstance(model_name, str) or not model_name:
         raise InvalidArgumentError(f"model_name must be a non-empty str, got {model_name!r:.80}")

@@ -36,6 +36,7 @@ from lmcache_kv_fast.events.endpoint import (
     _target_closed,
     _target_reap_timeout,
 )
+from lmcache_kv_fast.events.stream_grpc import GrpcKVEventSubscription, check_target
 from lmcache_kv_fast.events.stream_io import (
     _POLL_SLICE_S,
     _UIDS,
@@ -52,6 +53,7 @@ from lmcache_kv_fast.protocol.constants import (
     STREAM_CANCEL,
 )
 from lmcache_kv_fast.protocol.ops import Generation, Op
+from lmcache_kv_fast.transport.urls import GRPC_SCHEMES
 from lmcache_kv_fast.transport.zmq_client import connect_socket
 
 logger = logging.getLogger("lmcache_kv_fast.events")
@@ -66,7 +68,8 @@ _HEARTBEAT_TIMEOUT_MS = 6000
 
 
 def subscribe(ctx: Any, *, cursor: int = 0, max_events: int = MAX_EVENTS_PER_BATCH,
-              timeout: float | None = None, instance_id: int | None = None) -> KVEventSubscription:
+              timeout: float | None = None, instance_id: int | None = None
+              ) -> KVEventSubscription | GrpcKVEventSubscription:
     """Subscribe to the server's KV events of ``ctx.model_name``.
 
     Args:
@@ -83,8 +86,9 @@ def subscribe(ctx: Any, *, cursor: int = 0, max_events: int = MAX_EVENTS_PER_BAT
             the same id replaces the old one on the server (the old one then stops).
 
     Returns:
-        An open :class:`KVEventSubscription` whose first batch (the server's status batch,
-        possibly without events) has already arrived.
+        An open :class:`KVEventSubscription` (a :class:`GrpcKVEventSubscription` with the
+        same surface when ``ctx.url`` is a gRPC URL, docs/protocol.md §12) whose first
+        batch (the server's status batch, possibly without events) has already arrived.
 
     Raises:
         InvalidArgumentError: Bad ``cursor``/``max_events``/``timeout``/``instance_id``
@@ -92,9 +96,34 @@ def subscribe(ctx: Any, *, cursor: int = 0, max_events: int = MAX_EVENTS_PER_BAT
         KVCacheSDKError: The server has no KV-event stream (older than 0.5.6, or events
             disabled), or it did not answer.
         ContextClosedError: ``ctx`` is closed.
+        MissingExtraError: A gRPC URL without grpcio installed.
     """
+    url = getattr(ctx, "url", None)
+    if isinstance(url, str) and url.partition("://")[0] in GRPC_SCHEMES:
+        _check_subscribe_args(cursor, max_events, timeout, instance_id)
+        gen = _stream_generation(ctx)
+        check_target(ctx)
+        return GrpcKVEventSubscription(ctx, gen, cursor=cursor, max_events=max_events,
+                                       timeout=timeout, instance_id=instance_id)
     return KVEventSubscription(ctx, cursor=cursor, max_events=max_events, timeout=timeout,
                                instance_id=instance_id)
+
+
+def _stream_generation(target: Any) -> Generation:
+    """The target's generation, refused unless it has the KV-event stream.
+
+    Raises:
+        KVCacheSDKError: Older than 0.5.6 (or no generation at all).
+    """
+    gen: Generation | None = getattr(target, "generation", None)
+    if not isinstance(gen, Generation) or not gen.supports(Op.SUBSCRIBE_KV_EVENTS) \
+            or not gen.supports(Op.GET_EXPERIMENTAL):
+        name = gen.name if isinstance(gen, Generation) else "unknown"
+        raise KVCacheSDKError(
+            f"the LMCache server at {getattr(target, 'url', '?')} (generation {name}) has "
+            "no KV-event stream: subscribe_kv_events exists from LMCache 0.5.6 on"
+        )
+    return gen
 
 
 def _check_subscribe_args(cursor: Any, max_events: Any, timeout: Any, instance_id: Any) -> None:
@@ -152,14 +181,7 @@ class KVEventSubscription(_StreamIO):
         self._closed = True  # until the socket exists (for __del__)
         self._finished = True
         _check_subscribe_args(cursor, max_events, timeout, instance_id)
-        gen: Generation | None = getattr(target, "generation", None)
-        if not isinstance(gen, Generation) or not gen.supports(Op.SUBSCRIBE_KV_EVENTS) \
-                or not gen.supports(Op.GET_EXPERIMENTAL):
-            name = gen.name if isinstance(gen, Generation) else "unknown"
-            raise KVCacheSDKError(
-                f"the LMCache server at {getattr(target, 'url', '?')} (generation {name}) has "
-                "no KV-event stream: subscribe_kv_events exists from LMCache 0.5.6 on"
-            )
+        gen = _stream_generation(target)
         check_process = getattr(target, "_check_process", None)
         if check_process is not None:  # a context made before fork(): refused here at once
             check_process()

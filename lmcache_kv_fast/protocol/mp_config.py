@@ -11,7 +11,7 @@ from typing import Any
 
 from lmcache_kv_fast.errors import KVCacheSDKError, ProtocolError
 
-__all__ = ["live_chunk_size", "mp_chunk_size", "require_zmq_transport"]
+__all__ = ["live_chunk_size", "mp_chunk_size", "require_transport", "require_zmq_transport"]
 
 
 def mp_chunk_size(mp: Mapping[str, Any]) -> int:
@@ -42,6 +42,33 @@ def live_chunk_size(status: Mapping[str, Any], configured: int) -> int:
     if type(v) is not int or v <= 0:
         raise ProtocolError(f"/status chunk_size: expected a positive integer, got {v!r:.60}")
     return v
+
+
+def require_transport(mp: Mapping[str, Any], http_url: str, url: str, transport: str) -> None:
+    """Refuse a server whose control plane (``mp.transport``) is not the URL's.
+
+    A server listens on ZMQ or on gRPC, never both (0.5.6+); a request in the other
+    transport would only time out, so the mismatch is named at once.
+
+    Args:
+        mp: ``/config`` ``mp`` section.
+        http_url: The server's HTTP URL (for the message).
+        url: The control-plane URL the caller gave.
+        transport: ``"zmq"`` or ``"grpc"``, the transport of ``url``.
+
+    Raises:
+        KVCacheSDKError: The server uses the other transport.
+    """
+    theirs = mp.get("transport", "zmq")
+    if theirs == transport:
+        return
+    hint = {"grpc": "grpc://host:port", "zmq": "tcp://host:port"}.get(str(theirs))
+    raise KVCacheSDKError(
+        f"the server at {http_url} serves transport {theirs!r} (/config mp.transport) but "
+        f"url {url!r} is a {transport} URL"
+        + (f": connect with a {theirs} URL ({hint})" if hint else
+           "; this SDK speaks the zmq and grpc transports")
+    )
 
 
 def require_zmq_transport(mp: Mapping[str, Any], http_url: str) -> None:

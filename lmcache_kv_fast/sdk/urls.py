@@ -3,13 +3,15 @@
 Upstream's request-client factory (``lmcache.v1.multiprocess.transport.factory``) takes
 ``tcp://``, ``ipc://``, ``inproc://`` (ZMQ), ``grpc://``, ``grpc+unix://`` (gRPC) and a
 bare ``host:port``, which means ``tcp://host:port``; the scheme is case-insensitive. This
-SDK speaks ZMQ to a server in another process:
+SDK speaks ZMQ or gRPC to a server in another process:
 
 * ``host:port`` becomes ``tcp://host:port``; ``TCP://`` becomes ``tcp://``;
 * ``ipc://path`` is kept (the 0.5.6 server itself binds TCP only, so an IPC path reaches
   it through a forwarder);
-* ``inproc://`` (an endpoint inside the calling process) and the gRPC schemes (a server
-  started with ``--transport grpc``) are refused with an error saying why.
+* ``grpc://host:port`` and ``grpc+unix:///path`` (a server started with
+  ``--transport grpc``) are kept, scheme lower-cased (docs/protocol.md §12);
+* ``inproc://`` (an endpoint inside the calling process) is refused with an error saying
+  why.
 
 Everything else (port ranges, hosts, whitespace) is checked by the core's URL validation
 when the context connects.
@@ -26,25 +28,24 @@ __all__ = ["normalize_request_url"]
 _REFUSED = {
     "inproc": "an inproc:// endpoint lives inside one process; the LMCache server runs in "
               "another (use its tcp://host:port)",
-    "grpc": "this SDK speaks the server's ZMQ transport; a server started with "
-            "--transport grpc is not supported (start it with the default ZMQ transport "
-            "and use tcp://host:port)",
 }
-_REFUSED["grpc+unix"] = _REFUSED["grpc"]
+_KEPT = ("tcp", "ipc", "grpc", "grpc+unix")
 
 
 def normalize_request_url(url: Any) -> str:
-    """The ZMQ URL to connect to for a 0.5.6-style ``url`` argument.
+    """The control-plane URL to connect to for a 0.5.6-style ``url`` argument.
 
     Args:
-        url: ``tcp://host:port``, ``host:port``, or ``ipc://path``.
+        url: ``tcp://host:port``, ``host:port``, ``ipc://path``, ``grpc://host:port`` or
+            ``grpc+unix:///path``.
 
     Returns:
-        ``tcp://host:port`` or ``ipc://path`` (other forms are passed on unchanged for the
-        core's validation to refuse with its message).
+        The URL with its scheme lower-cased (``tcp://`` added to a bare ``host:port``);
+        other forms are passed on unchanged for the core's validation to refuse with its
+        message.
 
     Raises:
-        InvalidArgumentError: ``inproc://`` or a gRPC URL, or not a string.
+        InvalidArgumentError: ``inproc://``, or not a string.
     """
     if not isinstance(url, str):
         raise InvalidArgumentError(
@@ -57,6 +58,6 @@ def normalize_request_url(url: Any) -> str:
     low = scheme.lower()
     if low in _REFUSED:
         raise InvalidArgumentError(f"url {url!r:.80}: {_REFUSED[low]}")
-    if low in ("tcp", "ipc"):
+    if low in _KEPT:
         return f"{low}://{rest}"
     return url

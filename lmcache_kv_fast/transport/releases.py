@@ -28,13 +28,16 @@ import logging
 import threading
 import time
 from collections.abc import Callable, Hashable, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import zmq
 
 from lmcache_kv_fast.errors import ServerTimeoutError
 from lmcache_kv_fast.protocol.ops import Op
 from lmcache_kv_fast.transport.zmq_client import Channel, ZmqClient
+
+if TYPE_CHECKING:
+    from lmcache_kv_fast.transport.grpc_client import GrpcClient
 
 logger = logging.getLogger(__name__)
 
@@ -50,7 +53,7 @@ class DeferredReleases:
             thread that collects them.
     """
 
-    def __init__(self, client: ZmqClient, on_pending: Callable[[], None] | None = None) -> None:
+    def __init__(self, client: ZmqClient | GrpcClient, on_pending: Callable[[], None] | None = None) -> None:
         self._client = client
         self._on_pending = on_pending
         self._lock = threading.Lock()

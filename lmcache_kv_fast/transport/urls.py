@@ -1,4 +1,4 @@
-"""Strict parsing of the server addresses given to ``connect()`` (ZMQ and HTTP URLs).
+"""Strict parsing of the server addresses given to ``connect()`` (ZMQ, gRPC and HTTP URLs).
 
 A URL is refused at once, with a message that shows what came (``repr``) and why, when
 ZMQ or ``http.client`` would reject it later or read it differently: whitespace or control
@@ -9,6 +9,7 @@ Grammar (``ZMQ_SCHEMES`` / ``HTTP_SCHEMES`` list the schemes; a new form such as
 ``ipc://path`` or a bare ``host:port`` is one more branch in :func:`parse_zmq_url`)::
 
     tcp-url  = "tcp://" host ":" port
+    grpc-url = "grpc://" host ":" port | "grpc+unix://" absolute-path
     http-url = ("http" | "https") "://" host [":" port] ["/"]
     host     = dns-name | ipv4 | "[" ipv6 "]"
     port     = 1..65535 (ASCII digits)
@@ -29,6 +30,9 @@ from lmcache_kv_fast.errors import InvalidArgumentError
 ZMQ_SCHEMES = ("tcp", "ipc")
 #: Longest ``ipc://`` path (a Unix socket's ``sun_path`` holds 108 bytes with the NUL).
 MAX_IPC_PATH = 107
+#: Schemes of the gRPC control plane (``lmcache server --transport grpc``): ``grpc://host:port``
+#: is the gRPC target ``host:port``, ``grpc+unix:///path`` the target ``unix:///path``.
+GRPC_SCHEMES = ("grpc", "grpc+unix")
 #: Schemes of the HTTP info plane and their default ports.
 HTTP_SCHEMES = {"http": 80, "https": 443}
 
@@ -41,7 +45,7 @@ class Endpoint:
     """A parsed server address.
 
     Attributes:
-        scheme: ``tcp``, ``http`` or ``https``.
+        scheme: ``tcp``, ``ipc``, ``grpc``, ``grpc+unix``, ``http`` or ``https``.
         host: Host name or IP address (an IPv6 address without its brackets).
         port: TCP port, 1..65535.
         ipv6: The host is an IPv6 literal (a ZMQ socket needs ``IPV6`` set to reach it).
@@ -55,7 +59,7 @@ class Endpoint:
     @property
     def netloc(self) -> str:
         """``host:port`` (``[v6]:port`` for an IPv6 literal; the path for ``ipc``)."""
-        if self.scheme == "ipc":
+        if self.scheme in ("ipc", "grpc+unix"):
             return self.host
         host = f"[{self.host}]" if self.ipv6 else self.host
         return f"{host}:{self.port}"
@@ -64,6 +68,18 @@ class Endpoint:
     def url(self) -> str:
         """The canonical URL, e.g. ``tcp://127.0.0.1:5555``."""
         return f"{self.scheme}://{self.netloc}"
+
+    @property
+    def transport(self) -> str:
+        """The control-plane transport of this address: ``"grpc"`` or ``"zmq"``."""
+        return "grpc" if self.scheme in GRPC_SCHEMES else "zmq"
+
+    @property
+    def grpc_target(self) -> str:
+        """The target ``grpc.insecure_channel`` takes: ``host:port`` or ``unix:///path``."""
+        if self.scheme == "grpc+unix":
+            return f"unix://{self.host}"
+        return self.netloc
 
 
 def parse_zmq_url(url: Any, what: str = "url") -> Endpoint:
@@ -85,6 +101,54 @@ def parse_zmq_url(url: Any, what: str = "url") -> Endpoint:
             raise _bad(expect, url, f"the ipc:// path is longer than {MAX_IPC_PATH} bytes")
         return Endpoint(scheme, rest, 0)
     return _host_endpoint(scheme, rest, expect, url, default_port=None)
+
+
+def parse_grpc_url(url: Any, what: str = "url") -> Endpoint:
+    """Parse a gRPC URL of the control plane (``grpc://host:port``, ``grpc+unix:///path``).
+
+    For ``grpc+unix`` the returned endpoint's ``host`` is the socket path and ``port`` 0.
+
+    Raises:
+        InvalidArgumentError: Anything else; the message starts with
+            ``"<what> must look like"`` and says what is wrong.
+    """
+    expect = (f"{what} must look like 'grpc://host:port' (port 1..65535) or "
+              "'grpc+unix:///absolute/path'")
+    scheme, rest = _scheme_and_rest(url, expect, GRPC_SCHEMES,
+                                    f"the scheme must be {' or '.join(GRPC_SCHEMES)}://")
+    if scheme == "grpc+unix":
+        return Endpoint(scheme, _socket_path(rest, expect, url, "grpc+unix"), 0)
+    return _host_endpoint(scheme, rest, expect, url, default_port=None)
+
+
+def parse_control_url(url: Any, what: str = "url") -> Endpoint:
+    """Parse the control-plane URL of ``connect()``: ZMQ (``tcp``, ``ipc``) or gRPC.
+
+    Raises:
+        InvalidArgumentError: Neither; the message starts with ``"<what> must look like"``.
+    """
+    text = url.partition("://")[0] if isinstance(url, str) else ""
+    if text in GRPC_SCHEMES:
+        return parse_grpc_url(url, what)
+    if text in ZMQ_SCHEMES or not isinstance(url, str):
+        return parse_zmq_url(url, what)
+    expect = (f"{what} must look like 'tcp://host:port', 'ipc://path', 'grpc://host:port' "
+              "or 'grpc+unix:///path'")
+    _text(url, expect)  # whitespace, control characters ... first, as for the other forms
+    raise _bad(expect, url, "the scheme must be one of "
+               f"{', '.join(s + '://' for s in (*ZMQ_SCHEMES, *GRPC_SCHEMES))}")
+
+
+def _socket_path(rest: str, expect: str, url: str, scheme: str) -> str:
+    """The absolute Unix socket path of ``grpc+unix://<rest>``."""
+    if not rest.startswith("/") or rest == "/":
+        raise _bad(expect, url, f"the {scheme}:// path must be absolute "
+                   f"({scheme}:///run/lmcache.sock)")
+    if "?" in rest or "#" in rest:
+        raise _bad(expect, url, "no query or fragment is allowed")
+    if len(rest.encode()) > MAX_IPC_PATH:
+        raise _bad(expect, url, f"the {scheme}:// path is longer than {MAX_IPC_PATH} bytes")
+    return rest
 
 
 def parse_http_url(url: Any, what: str = "http_url") -> Endpoint:

@@ -405,6 +405,18 @@ class ZmqClient:
         """Call ``op`` on the calling thread's channel."""
         return self.channel().call(op, payloads, resp_type, timeout, raw=raw)
 
+    def poll(self, channels: Sequence[Channel], timeout_s: float) -> set[Channel]:
+        """Wait up to ``timeout_s`` for a reply on any of ``channels``; return those with one.
+
+        Raises:
+            zmq.ZMQError: A socket was closed under the poll (``close()`` runs).
+        """
+        poller = zmq.Poller()
+        for ch in channels:
+            poller.register(ch.sock, zmq.POLLIN)
+        ready = dict(poller.poll(max(0, int(timeout_s * 1000))))
+        return {ch for ch in channels if ch.sock in ready}
+
     def timeout_message(self, op: Op, timeout: float) -> str:
         """Explain a timeout of ``op`` (the server never sends error replies)."""
         if self.tried_dialect is not None:

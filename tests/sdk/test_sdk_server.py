@@ -130,7 +130,7 @@ def test_ipc_and_bare_host_port_urls(qserver):
     with lmc_sdk.connect(KV, qserver.url.removeprefix("tcp://"), qserver.http_url,
                          name) as ctx:
         assert torch.equal(bits(ctx.retrieve(toks)), bits(kv))
-    with pytest.raises(InvalidArgumentError, match="--transport grpc"):
+    with pytest.raises(LMCacheSDKError, match="serves transport 'zmq'.*grpc URL"):
         lmc_sdk.connect(KV, "grpc://127.0.0.1:1", qserver.http_url, name)
 
 

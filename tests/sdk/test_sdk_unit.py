@@ -135,12 +135,19 @@ def test_request_urls_like_upstream(given, want):
 
 
 @pytest.mark.parametrize(("url", "why"), [
-    ("inproc://x", "inside one process"), ("grpc://h:1", "--transport grpc"),
-    ("grpc+unix:///tmp/s", "--transport grpc"),
+    ("inproc://x", "inside one process"),
 ])
 def test_refused_url_schemes_say_why(url, why):
     with pytest.raises(InvalidArgumentError, match=why):
         normalize_request_url(url)
+
+
+@pytest.mark.parametrize(("given", "want"), [
+    ("grpc://h:1", "grpc://h:1"), ("GRPC://h:1", "grpc://h:1"),
+    ("grpc+unix:///tmp/s", "grpc+unix:///tmp/s"),
+])
+def test_grpc_urls_are_kept(given, want):  # --transport grpc servers (docs/protocol.md §12)
+    assert normalize_request_url(given) == want
 
 
 def test_bad_urls_refused_before_contact():
