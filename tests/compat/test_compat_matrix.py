@@ -7,7 +7,8 @@ Each (version, plane) gets one real server of that version (from ``.venv-compat/
 that version's own lmcache client, which registers the vLLM-like HND CPU layout and stores /
 retrieves with that version's ``lmcache.sdk.kvcache``.
 
-0.5.6 and 0.5.7rc2 (``DEFAULT_VERSIONS``) run in the default suite; the older versions are
+0.5.6 and 0.5.7rc2 (``DEFAULT_VERSIONS``) run in the default suite, over ZMQ and, as the
+``-grpc`` rows, over gRPC (``--transport grpc``; their own SDK uses the ``grpc://`` URL too); the older versions are
 marked ``compat`` (``make test-compat``). A version whose venv is missing is skipped with
 the command that creates it (``scripts/test.sh`` makes 0.5.7rc2's).
 """
@@ -37,7 +38,7 @@ from lmcache_kv_fast.testing.compat import (
     missing_venv_hint,
     venv_python,
 )
-from lmcache_kv_fast.transport.zmq_client import ZmqClient
+from lmcache_kv_fast.transport import open_control
 
 C = 256  # --chunk-size of every server here
 L, NH, HS = 4, 8, 64  # registered geometry: D = NH * HS = 512, bf16
@@ -50,7 +51,11 @@ def _params() -> Iterator[object]:
     for version in ALL_VERSIONS:
         marks = () if version in DEFAULT_VERSIONS else (pytest.mark.compat,)
         for plane in ("shm", "pickle"):
-            yield pytest.param((version, plane), id=f"{version}-{plane}", marks=marks)
+            yield pytest.param((version, plane, "zmq"), id=f"{version}-{plane}", marks=marks)
+    # gRPC (`--transport grpc`) on the servers that have it and the default suite's versions
+    for version in DEFAULT_VERSIONS:
+        for plane in ("shm", "pickle"):
+            yield pytest.param((version, plane, "grpc"), id=f"{version}-{plane}-grpc")
 
 
 @dataclass
@@ -61,6 +66,7 @@ class Setup:
     plane: str
     server: LMCacheServer
     theirs: TheirSDK
+    transport: str = "zmq"
 
     def model(self) -> str:
         """A fresh model registered (HND, CPU) with that version's own client."""
@@ -79,17 +85,17 @@ def _segments(prefix: str) -> list[str]:
 
 @pytest.fixture(scope="module", params=list(_params()))
 def setup(request: pytest.FixtureRequest) -> Iterator[Setup]:
-    version, plane = request.param
+    version, plane, transport = request.param
     if venv_python(version) is None:
         print(f"\n[compat] {missing_venv_hint(version)}")
         pytest.skip(missing_venv_hint(version))
-    server = compat_server(version, shm=plane == "shm", l1_size_gb=0.5)
+    server = compat_server(version, shm=plane == "shm", l1_size_gb=0.5, transport=transport)
     workdir = Path(tempfile.mkdtemp(prefix=f"lmckvf-compat-{version}-{plane}-"))
     theirs: TheirSDK | None = None
     try:
         server.start()  # picks the ports
         theirs = TheirSDK(version, server.url, server.http_url, workdir).start()
-        yield Setup(version, plane, server, theirs)
+        yield Setup(version, plane, server, theirs, transport)
     finally:
         if theirs is not None:
             theirs.stop()
@@ -227,7 +233,7 @@ def test_clear_with_the_generations_arity(setup: Setup) -> None:
         assert ctx.store(_kv(2 * C, seed=32), toks)
         assert ctx.lookup(toks) == 2 * C
         gen = ctx.generation
-        client = ZmqClient(s.server.url, gen, 10.0)
+        client = open_control(s.server.url, gen, 10.0)
         try:
             payloads = [False] if gen.clear_takes_force else []
             assert client.call(Op.CLEAR, payloads) is None  # a 2-frame reply

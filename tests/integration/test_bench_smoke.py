@@ -319,7 +319,8 @@ def test_bench_store_limits_runs() -> None:
 
 
 @pytest.mark.timeout(360)
-def test_bench_against_057_and_its_own_sdk(tmp_path: Path) -> None:
+@pytest.mark.parametrize("transport", ["zmq", "grpc"])
+def test_bench_against_057_and_its_own_sdk(tmp_path: Path, transport: str) -> None:
     from lmcache_kv_fast.testing.compat import missing_venv_hint, venv_python
 
     if venv_python("0.5.7rc2") is None:
@@ -328,7 +329,7 @@ def test_bench_against_057_and_its_own_sdk(tmp_path: Path) -> None:
     p = subprocess.run(
         [sys.executable, "-m", "lmcache_kv_fast", "bench", "--quick", "--no-progress",
          "--server-version", "0.5.7rc2", "--workloads", "W1,W3,W3P", "--threads", "2",
-         "--no-torch-backend", "--json", str(out)],
+         "--no-torch-backend", "--transport", transport, "--json", str(out)],
         capture_output=True, text=True, timeout=300, env=_bench_env(), cwd=tmp_path,
         stdin=subprocess.DEVNULL,
     )
@@ -336,6 +337,7 @@ def test_bench_against_057_and_its_own_sdk(tmp_path: Path) -> None:
     doc = json.loads(out.read_text())
     assert not doc["errors"]
     assert doc["servers"]["shm"]["version"].startswith("0.5.7rc2")
+    assert doc["servers"]["shm"]["url"].startswith("grpc://" if transport == "grpc" else "tcp://")
     assert "servers and the upstream SDK: lmcache 0.5.7rc2" in p.stdout
     records = {(r["path"], r["op"]): r for r in doc["records"]}
     for op in ("W1 store warm", "W1 retrieve warm", "W3 rewrite sequential"):

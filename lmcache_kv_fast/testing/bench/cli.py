@@ -69,6 +69,9 @@ def build_parser() -> argparse.ArgumentParser:
                    f"from the workloads, <= {SHM_CAP_GIB:g})")
     g.add_argument("--pickle-l1-gb", type=float, help="L1 of the started pickle server")
     g.add_argument("--chunk-size", type=int, default=256)
+    g.add_argument("--transport", choices=("zmq", "grpc"), default="zmq",
+                   help="control plane of the started servers; both SDKs use it (grpc: "
+                        "--transport grpc, grpc:// URLs; needs grpcio)")
     g.add_argument("--server-version", metavar="VER",
                    help="start servers of this LMCache version (e.g. 0.5.7rc2) from its venv "
                         ".venv-compat/VER (scripts/compat-venvs.sh VER); the upstream path "

@@ -92,9 +92,11 @@ def run(args: argparse.Namespace, s: Sizes, workloads: Sequence[str], *,
     res = RunResult()
     with contextlib.ExitStack() as stack:
         shm, pick = stack.enter_context(servers(args, s, workloads, notes))
-        register_models(shm, {"w1": s.w1_layers, "w2": s.w2_layers}, stack)
+        register_models(shm, {"w1": s.w1_layers, "w2": s.w2_layers}, stack,
+                        args.server_version)
         if pick is not None:
-            register_models(pick, {"w1": s.w1_layers, "w2": s.w2_layers}, stack)
+            register_models(pick, {"w1": s.w1_layers, "w2": s.w2_layers}, stack,
+                            args.server_version)
         res.servers = {"shm": asdict(shm), "pickle": asdict(pick) if pick else None}
         base_spec: dict[str, Any] = {
             "sizes": asdict(s), "threads": list(threads), "default_threads": default_threads,

@@ -70,7 +70,8 @@ def servers(args: argparse.Namespace, s: Sizes, workloads: Sequence[str],
                 srv.stop()
 
         threads = []
-        py = {"python": server_python(args), "version": args.server_version}
+        py = {"python": server_python(args), "version": args.server_version,
+              "transport": getattr(args, "transport", "zmq")}
         if not (args.url and args.http_url):
             srv = LMCacheServer(shm=True, l1_size_gb=shm_gib, chunk_size=args.chunk_size,
                                 malloc_tuning=args.server_malloc == "tuned", **py)
@@ -126,17 +127,42 @@ def server_python(args: argparse.Namespace) -> str | None:
     return py
 
 
-def register_models(srv: Server, which: dict[str, int], stack: contextlib.ExitStack) -> None:
-    """Register a vLLM-like layout per ``{key: layers}`` on ``srv`` (unregistered by ``stack``)."""
+def register_models(srv: Server, which: dict[str, int], stack: contextlib.ExitStack,
+                    lmcache_version: str | None = None) -> None:
+    """Register a vLLM-like layout per ``{key: layers}`` on ``srv`` (unregistered by ``stack``).
+
+    Over gRPC the registration is made by the server version's own client in a child
+    (``register_vllm_layout`` speaks ZMQ); ``lmcache_version`` names it (None: 0.5.6).
+    """
     from lmcache_kv_fast.protocol.ops import NEWEST, generation_for
     from lmcache_kv_fast.testing import register_vllm_layout
 
+    if srv.url.startswith("grpc"):
+        _register_with_their_client(srv, which, stack, lmcache_version or "0.5.6")
+        return
     gen = generation_for(srv.version or "") or NEWEST
     for key, layers in which.items():
         name = f"bench-{key}-L{layers}-{os.getpid()}"
         reg = register_vllm_layout(srv.url, name, num_layers=layers, num_kv_heads=KV_HEADS,
                                    head_size=HEAD_SIZE, generation=gen)
         stack.callback(_quiet, reg.unregister)
+        srv.models[key] = name
+
+
+def _register_with_their_client(srv: Server, which: dict[str, int], stack: contextlib.ExitStack,
+                                version: str) -> None:
+    import tempfile
+
+    from lmcache_kv_fast.testing.compat import TheirSDK
+
+    workdir = tempfile.mkdtemp(prefix="lmckvf-bench-reg-")
+    theirs = TheirSDK(version, srv.url, srv.http_url, workdir).start()
+    stack.callback(_quiet, theirs.stop)  # after the unregistrations below (LIFO)
+    for key, layers in which.items():
+        name = f"bench-{key}-L{layers}-{os.getpid()}"
+        iid = theirs.register_hnd(name, num_layers=layers, num_kv_heads=KV_HEADS,
+                                  head_size=HEAD_SIZE)
+        stack.callback(_quiet, lambda iid=iid: theirs.unregister(iid))
         srv.models[key] = name
 
 
