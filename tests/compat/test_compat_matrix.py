@@ -8,9 +8,10 @@ that version's own lmcache client, which registers the vLLM-like HND CPU layout 
 retrieves with that version's ``lmcache.sdk.kvcache``.
 
 0.5.6 and 0.5.7rc2 (``DEFAULT_VERSIONS``) run in the default suite, over ZMQ and, as the
-``-grpc`` rows, over gRPC (``--transport grpc``; their own SDK uses the ``grpc://`` URL too); the older versions are
-marked ``compat`` (``make test-compat``). A version whose venv is missing is skipped with
-the command that creates it (``scripts/test.sh`` makes 0.5.7rc2's).
+``-grpc`` rows, over gRPC (``--transport grpc``; their own SDK uses the ``grpc://`` URL
+too); the older versions are marked ``compat`` (``make test-compat``). A version whose
+venv is missing is skipped with the command that creates it (``scripts/test.sh`` makes
+0.5.7rc2's).
 """
 
 from __future__ import annotations
