@@ -18,7 +18,7 @@ from urllib.parse import urlparse
 
 from lmcache_kv_fast.errors import InvalidArgumentError, InvalidTypeError
 
-_ZMQ_URL = re.compile(r"^tcp://[^\s/:]+:\d{1,5}$")
+_CONTROL_URL = re.compile(r"^(tcp|grpc)://[^\s/:]+:\d{1,5}$")
 _HTTP_URL = re.compile(r"^https?://[^\s/]+(:\d{1,5})?/?$")
 
 
@@ -27,7 +27,8 @@ class Server:
     """One LMCache MP server of the fleet.
 
     Attributes:
-        url: ZMQ URL, ``tcp://host:port``.
+        url: Control URL, ``tcp://host:port`` (ZMQ) or ``grpc://host:port`` (gRPC, a server
+            started with ``--transport grpc``).
         http_url: HTTP URL, ``http://host:port``.
         node: Ray node id (hex) or node IP that hosts the server; None: the node whose IP
             ``url`` names (loopback: the driver's node).
@@ -40,8 +41,10 @@ class Server:
     name: str = ""
 
     def __post_init__(self) -> None:
-        if not isinstance(self.url, str) or not _ZMQ_URL.match(self.url):
-            raise InvalidArgumentError(f"Server.url must look like tcp://host:port, got {self.url!r}")
+        if not isinstance(self.url, str) or not _CONTROL_URL.match(self.url):
+            raise InvalidArgumentError(
+                f"Server.url must look like tcp://host:port or grpc://host:port, got {self.url!r}"
+            )
         if not isinstance(self.http_url, str) or not _HTTP_URL.match(self.http_url):
             raise InvalidArgumentError(
                 f"Server.http_url must look like http://host:port, got {self.http_url!r}"
@@ -55,8 +58,8 @@ class Server:
 
     @property
     def host(self) -> str:
-        """The host part of the ZMQ URL."""
-        return urlparse(self.url.replace("tcp://", "http://", 1)).hostname or ""
+        """The host part of the control URL."""
+        return urlparse("http://" + self.url.partition("://")[2]).hostname or ""
 
 
 def as_servers(servers: Any) -> list[Server]:
