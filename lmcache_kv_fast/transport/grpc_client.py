@@ -26,7 +26,7 @@ import logging
 import os
 import threading
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -39,6 +39,7 @@ from lmcache_kv_fast.errors import (
 )
 from lmcache_kv_fast.protocol.ops import Generation, Op
 from lmcache_kv_fast.transport import grpc_codec
+from lmcache_kv_fast.transport.registry import ChannelRegistry
 from lmcache_kv_fast.transport.urls import parse_grpc_url
 from lmcache_kv_fast.transport.zmq_client import (
     _POLL_SLICE_MS,
@@ -343,7 +344,7 @@ def _succeeded(call: GrpcCall) -> bool:
     return fut is not None and fut.done() and not fut.cancelled() and fut.exception() is None
 
 
-class GrpcClient:
+class GrpcClient(ChannelRegistry["GrpcChannel"]):
     """Control-plane client over gRPC: per-thread channels over one ``grpc.Channel``.
 
     Args:
@@ -367,8 +368,7 @@ class GrpcClient:
         self.call_deadline = self.timeout + LATE_HORIZON_S
         #: Set by the handshake when a newer server is spoken to in the newest dialect.
         self.tried_dialect: str | None = None
-        self.closed = False
-        self.closing = False
+        super().__init__()
         #: Completions of every channel's RPCs are announced here (poll, collect).
         self.cv = threading.Condition()
         #: Times the connection left READY (each channel's peer_lost compares).
@@ -376,15 +376,15 @@ class GrpcClient:
         #: The connection was READY once and is not now (killed, restarting server).
         self.down = False
         self._was_ready = False
-        self._active = 0
-        self._idle = threading.Condition()
-        self._local = threading.local()
-        self._channels: list[GrpcChannel] = []
-        self._lock = threading.Lock()
         self._stubs: dict[str, Any] = {}
         self._grpc = grpc
         self._channel = grpc.insecure_channel(self.endpoint.grpc_target, options=_OPTIONS)
         self._channel.subscribe(self._on_state, try_to_connect=False)
+
+    def _make_channel(self, bound: bool) -> GrpcChannel:
+        # Channels of finished threads are forgotten, not closed (ChannelRegistry._keep):
+        # cancelling an RPC the server has not started yet (a fired end_session) drops it.
+        return GrpcChannel(self, bound=bound)
 
     def _on_state(self, state: Any) -> None:
         """Connectivity change (gRPC thread): leaving READY is a lost connection."""
@@ -439,68 +439,6 @@ class GrpcClient:
         exc.code = name
         return exc
 
-    @contextlib.contextmanager
-    def active(self) -> Iterator[None]:
-        """Mark channel use in progress; ``close`` waits for it."""
-        with self._idle:
-            if self.closing:
-                raise ContextClosedError(f"the SDK context for {self.url} is closed")
-            self._active += 1
-        try:
-            yield
-        finally:
-            with self._idle:
-                self._active -= 1
-                if self._active == 0:
-                    self._idle.notify_all()
-
-    def check_open(self) -> None:
-        """Raise ContextClosedError when closed."""
-        if self.closing:
-            raise ContextClosedError(f"the SDK context for {self.url} is closed")
-
-    def channel(self) -> GrpcChannel:
-        """Return the calling thread's channel, creating it on first use."""
-        ch = getattr(self._local, "channel", None)
-        if ch is None:
-            self.check_open()
-            ch = GrpcChannel(self)
-            self._local.channel = ch
-            with self._lock:
-                # Channels of finished threads are forgotten, not closed: cancelling an RPC
-                # the server has not started yet (a fired end_session) would drop it.
-                alive = {t.ident for t in threading.enumerate()}
-                self._channels = [c for c in self._channels if not c.owner or c.owner in alive]
-                self._channels.append(ch)
-        return ch
-
-    def retire(self, ch: GrpcChannel) -> None:
-        """Unbind ``ch`` from its thread (see ``ZmqClient.retire``)."""
-        if getattr(self._local, "channel", None) is ch:
-            self._local.channel = None
-        ch.owner = 0
-        ch.retired = True
-
-    def drop(self, ch: GrpcChannel) -> None:
-        """Close a channel not bound to a thread and forget it."""
-        with self._lock:
-            if ch in self._channels:
-                self._channels.remove(ch)
-        ch.close()
-
-    def new_channel(self) -> GrpcChannel:
-        """Return a fresh channel not bound to a thread (its user serialises access)."""
-        self.check_open()
-        ch = GrpcChannel(self, bound=False)
-        with self._lock:
-            self._channels.append(ch)
-        return ch
-
-    def call(self, op: Op, payloads: Sequence[Any] = (), resp_type: Any = None,
-             timeout: float | None = None, *, raw: Sequence[Any] = ()) -> Any:
-        """Call ``op`` on the calling thread's channel."""
-        return self.channel().call(op, payloads, resp_type, timeout, raw=raw)
-
     def poll(self, channels: Sequence[GrpcChannel], timeout_s: float) -> set[GrpcChannel]:
         """Wait up to ``timeout_s`` for a completion on any of ``channels``; return those with one."""
         with self.cv:
@@ -519,33 +457,14 @@ class GrpcClient:
 
     def close(self) -> None:
         """Cancel what is in flight and close the gRPC channel. Idempotent."""
-        with self._idle:
-            if self.closing:
-                return
-            self.closing = True
-            self._idle.wait_for(lambda: self._active == 0, timeout=5.0)
-        self.closed = True
-        with self._lock:
-            channels, self._channels = self._channels, []
-        for ch in channels:
-            ch.close()
+        if not self._close_channels():
+            return
         with contextlib.suppress(Exception):
             self._channel.unsubscribe(self._on_state)
         # gRPC's connectivity poller (0.2 s slices) raises "Channel closed!" from its
         # thread when the channel closes under it: close once it has stopped.
         threading.Thread(target=_close_when_unwatched, args=(self._channel,),
                          name="lmcache-kv-fast-grpc-close", daemon=True).start()
-
-    def settle(self, timeout: float) -> bool:
-        """Let every channel collect the acknowledgements of its fired calls."""
-        deadline = time.monotonic() + timeout
-        with self._lock:
-            channels = list(self._channels)
-        ok = True
-        for ch in channels:
-            ok &= ch.settle(max(0.0, deadline - time.monotonic()))
-        return ok
-
 
 def _close_when_unwatched(channel: Any, limit_s: float = 2.0) -> None:
     """Close ``channel`` once its connectivity poller thread has exited (or ``limit_s``)."""

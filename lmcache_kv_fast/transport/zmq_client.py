@@ -15,7 +15,7 @@ import logging
 import os
 import threading
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -29,6 +29,7 @@ from lmcache_kv_fast.errors import (
 )
 from lmcache_kv_fast.protocol import codec
 from lmcache_kv_fast.protocol.ops import Generation, Op
+from lmcache_kv_fast.transport.registry import ChannelRegistry
 from lmcache_kv_fast.transport.urls import Endpoint, parse_zmq_url
 
 logger = logging.getLogger(__name__)
@@ -312,7 +313,7 @@ class Channel:
             self.sock.close(linger=0)
 
 
-class ZmqClient:
+class ZmqClient(ChannelRegistry[Channel]):
     """Control-plane client: per-thread channels over one ZMQ context.
 
     Args:
@@ -329,81 +330,20 @@ class ZmqClient:
         self.url = url
         self.generation = generation
         self.timeout = float(timeout)
+        super().__init__()
         self.zmq_context = zmq.Context()
         #: Set when the dialect is the newest one tried on a newer, unknown server.
         self.tried_dialect: str | None = None
-        self.closed = False
-        self.closing = False
-        self._active = 0
-        self._idle = threading.Condition()
-        self._local = threading.local()
-        self._channels: list[Channel] = []
-        self._lock = threading.Lock()
 
-    @contextlib.contextmanager
-    def active(self) -> Iterator[None]:
-        """Mark socket use in progress; ``close`` waits for it (sockets are not thread-safe)."""
-        with self._idle:
-            if self.closing:
-                raise ContextClosedError(f"the SDK context for {self.url} is closed")
-            self._active += 1
-        try:
-            yield
-        finally:
-            with self._idle:
-                self._active -= 1
-                if self._active == 0:
-                    self._idle.notify_all()
+    def _make_channel(self, bound: bool) -> Channel:
+        return Channel(self, bound=bound)
 
-    def check_open(self) -> None:
-        """Raise ContextClosedError when closed."""
-        if self.closing:
-            raise ContextClosedError(f"the SDK context for {self.url} is closed")
-
-    def channel(self) -> Channel:
-        """Return the calling thread's channel, creating it on first use."""
-        ch = getattr(self._local, "channel", None)
-        if ch is None:
-            self.check_open()
-            ch = Channel(self)
-            self._local.channel = ch
-            with self._lock:
-                self._channels = [c for c in self._channels
-                                  if not c.owner or _thread_alive(c.owner, c)]
-                self._channels.append(ch)
-        return ch
-
-    def retire(self, ch: Channel) -> None:
-        """Unbind ``ch`` from its thread, which gets a fresh channel on its next call.
-
-        ``ch`` keeps its socket, its in-flight calls and their late replies; its new user
-        (the late-reply settler, ``client/late.py``) takes it over after a lock handoff.
-        It is closed with the client, or earlier by :meth:`drop`.
-        """
-        if getattr(self._local, "channel", None) is ch:
-            self._local.channel = None
-        ch.owner = 0
-        ch.retired = True
-
-    def drop(self, ch: Channel) -> None:
-        """Close a channel not bound to a thread and forget it."""
-        with self._lock:
-            if ch in self._channels:
-                self._channels.remove(ch)
+    def _keep(self, ch: Channel, alive: set[int]) -> bool:
+        """A finished thread's channel is closed (its socket would outlive the thread)."""
+        if not ch.owner or ch.owner in alive:
+            return True
         ch.close()
-
-    def new_channel(self) -> Channel:
-        """Return a fresh channel not bound to a thread (its user serialises access)."""
-        self.check_open()
-        ch = Channel(self, bound=False)
-        with self._lock:
-            self._channels.append(ch)
-        return ch
-
-    def call(self, op: Op, payloads: Sequence[Any] = (), resp_type: Any = None,
-             timeout: float | None = None, *, raw: Sequence[bytes] = ()) -> Any:
-        """Call ``op`` on the calling thread's channel."""
-        return self.channel().call(op, payloads, resp_type, timeout, raw=raw)
+        return False
 
     def poll(self, channels: Sequence[Channel], timeout_s: float) -> set[Channel]:
         """Wait up to ``timeout_s`` for a reply on any of ``channels``; return those with one.
@@ -437,31 +377,8 @@ class ZmqClient:
 
     def close(self) -> None:
         """Close every channel and the ZMQ context. Idempotent."""
-        with self._idle:
-            if self.closing:
-                return
-            self.closing = True
-            # Waiters notice `closing` within one poll slice; sockets close after that.
-            self._idle.wait_for(lambda: self._active == 0, timeout=5.0)
-        self.closed = True
-        with self._lock:
-            channels, self._channels = self._channels, []
-        for ch in channels:
-            ch.close()
-        self.zmq_context.term()
-
-    def settle(self, timeout: float) -> bool:
-        """Let every channel collect the acknowledgements of its fired calls.
-
-        See :meth:`Channel.settle`. Only when no call is running on any channel.
-        """
-        deadline = time.monotonic() + timeout
-        with self._lock:
-            channels = list(self._channels)
-        ok = True
-        for ch in channels:
-            ok &= ch.settle(max(0.0, deadline - time.monotonic()))
-        return ok
+        if self._close_channels():
+            self.zmq_context.term()
 
 
 def connect_socket(sock: zmq.Socket, endpoint: Endpoint | str) -> None:
@@ -477,14 +394,6 @@ def connect_socket(sock: zmq.Socket, endpoint: Endpoint | str) -> None:
         sock.connect(ep.url)
     except zmq.ZMQError as err:
         raise InvalidArgumentError(f"ZMQ cannot connect to {ep.url!r}: {err}") from err
-
-
-def _thread_alive(ident: int, ch: Channel) -> bool:
-    for t in threading.enumerate():
-        if t.ident == ident:
-            return True
-    ch.close()
-    return False
 
 
 def decode_any(frame: bytes) -> Any:
