@@ -18,7 +18,6 @@ import secrets
 import threading
 import time
 import weakref
-from collections.abc import Iterator
 from typing import Any
 
 import zmq
@@ -41,10 +40,10 @@ from lmcache_kv_fast.events.stream_io import (
     _POLL_SLICE_S,
     _UIDS,
     KVEventBatch,
-    KVEventTimeout,
     _StreamIO,
     send_stream_control,
 )
+from lmcache_kv_fast.events.surface import SubscriptionSurface
 from lmcache_kv_fast.protocol import codec
 from lmcache_kv_fast.protocol.constants import (
     INSTANCE_ID_BITS,
@@ -146,7 +145,7 @@ def _check_subscribe_args(cursor: Any, max_events: Any, timeout: Any, instance_i
         )
 
 
-class KVEventSubscription(_StreamIO):
+class KVEventSubscription(_StreamIO, SubscriptionSurface):
     """An open ``subscribe_kv_events`` stream (docs/protocol.md §2.6, §9); iterate to get batches.
 
     Create it with :func:`subscribe`. Iteration yields :class:`KVEventBatch` objects and
@@ -265,61 +264,6 @@ class KVEventSubscription(_StreamIO):
         logger.info("subscribed to KV events of %r on %s (instance %d, cursor %d)",
                     self.model_name, self.url, self.instance_id, cursor)
 
-    # ------------------------------------------------------------------ properties
-    @property
-    def cursor(self) -> int:
-        """Resume point: ``next_cursor`` of the last batch returned (or the start cursor)."""
-        return self._cursor
-
-    @property
-    def incarnation(self) -> int | None:
-        """Server incarnation of the last batch returned."""
-        return self._incarnation
-
-    @property
-    def closed(self) -> bool:
-        """Whether :meth:`close` ran (or the subscription shut itself down)."""
-        return self._closed
-
-    @property
-    def active(self) -> bool:
-        """True while batches can still come (not closed, not ended by the server)."""
-        return not self._closed and not self._ended and self._error is None
-
-    @property
-    def timeout(self) -> float | None:
-        """Seconds ``next()`` waits for a batch (None = forever)."""
-        return self._timeout
-
-    # ------------------------------------------------------------------ iteration
-    def __iter__(self) -> Iterator[KVEventBatch]:
-        return self
-
-    def __next__(self) -> KVEventBatch:
-        batch = self._next(self._timeout)
-        if batch is not None:
-            return batch
-        if self.active:
-            raise KVEventTimeout(
-                f"no KV event batch for {self.model_name!r} from {self.url} within "
-                f"{self._timeout:g}s (the subscription stays open)"
-            )
-        raise StopIteration
-
-    def poll(self, timeout: float | None = 0.0) -> KVEventBatch | None:
-        """Return the next batch, or None after ``timeout`` seconds or once inactive.
-
-        Args:
-            timeout: Seconds to wait; None waits until a batch arrives or the stream ends.
-
-        Raises:
-            ProtocolError: The server sent a malformed batch (the subscription is closed).
-        """
-        if timeout is not None and (isinstance(timeout, bool) or
-                                    not isinstance(timeout, (int, float)) or timeout < 0):
-            raise InvalidArgumentError(f"timeout must be >= 0 seconds or None, got {timeout!r}")
-        return self._next(timeout)
-
     def _next(self, timeout: float | None) -> KVEventBatch | None:
         deadline = None if timeout is None else time.monotonic() + timeout
         error: KVCacheSDKError | None = None
@@ -434,23 +378,6 @@ class KVEventSubscription(_StreamIO):
                 logger.warning("KV event ping thread did not stop; leaving its ZMQ context")
                 return
         self._zctx.term()
-
-    def __enter__(self) -> KVEventSubscription:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
-
-    def __del__(self) -> None:
-        if not getattr(self, "_closed", True):
-            with contextlib.suppress(Exception):
-                self.close(timeout=0.2)
-
-    def __repr__(self) -> str:
-        state = "active" if self.active else "closed" if self._closed else "ended"
-        return (f"KVEventSubscription(model={self.model_name!r}, url={self.url!r}, "
-                f"instance_id={self.instance_id}, cursor={self._cursor}, {state})")
-
 
 def _ping_loop(ref: weakref.ref[KVEventSubscription], zctx: zmq.Context,
                stop: threading.Event, target: Any, interval: float | None) -> None:

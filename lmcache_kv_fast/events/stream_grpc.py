@@ -27,13 +27,13 @@ from typing import Any
 
 from lmcache_kv_fast.errors import (
     ContextClosedError,
-    InvalidArgumentError,
     KVCacheSDKError,
     ProtocolError,
 )
 from lmcache_kv_fast.events.common import _PROBE_TIMEOUT_S, KV_EVENT_CAPABILITY
 from lmcache_kv_fast.events.endpoint import _ping_interval, _target_closed, _target_reap_timeout
-from lmcache_kv_fast.events.stream_io import _POLL_SLICE_S, KVEventBatch, KVEventTimeout
+from lmcache_kv_fast.events.stream_io import _POLL_SLICE_S, KVEventBatch
+from lmcache_kv_fast.events.surface import SubscriptionSurface
 from lmcache_kv_fast.protocol.constants import INSTANCE_ID_BITS
 from lmcache_kv_fast.protocol.ops import Generation, Op
 from lmcache_kv_fast.transport import grpc_codec
@@ -46,7 +46,7 @@ _READ_AHEAD = 16
 _RETRY_S = 0.5
 
 
-class GrpcKVEventSubscription:
+class GrpcKVEventSubscription(SubscriptionSurface):
     """An open ``SubscribeKvEvents`` stream; iterate to get :class:`KVEventBatch` objects.
 
     Create it with :func:`~lmcache_kv_fast.events.subscribe`. One consumer thread at a
@@ -89,7 +89,7 @@ class GrpcKVEventSubscription:
                 target=self._read_loop, args=(cursor,), daemon=True,
                 name=f"lmcache-kv-fast-events-grpc-{self.instance_id:x}")
             self._reader.start()
-            self._first = self._get(probe)
+            self._first = self._next(probe)
             if self._first is None:
                 raise KVCacheSDKError(
                     f"SubscribeKvEvents on {self.url} got no first batch within {probe:g}s "
@@ -198,58 +198,7 @@ class GrpcKVEventSubscription:
                 except KVCacheSDKError as err:
                     logger.debug("KV event ping to %s failed: %s", self.url, err)
 
-    # ------------------------------------------------------------------ properties
-    @property
-    def cursor(self) -> int:
-        """Resume point: ``next_cursor`` of the last batch returned (or the start cursor)."""
-        return self._cursor
-
-    @property
-    def incarnation(self) -> int | None:
-        """Server incarnation of the last batch returned."""
-        return self._incarnation
-
-    @property
-    def closed(self) -> bool:
-        """Whether :meth:`close` ran (or the subscription shut itself down)."""
-        return self._closed
-
-    @property
-    def active(self) -> bool:
-        """True while batches can still come (not closed, not ended by the server)."""
-        return not self._closed and not self._ended
-
-    @property
-    def timeout(self) -> float | None:
-        """Seconds ``next()`` waits for a batch (None = forever)."""
-        return self._timeout
-
-    # ------------------------------------------------------------------ iteration
-    def __iter__(self) -> Iterator[KVEventBatch]:
-        return self
-
-    def __next__(self) -> KVEventBatch:
-        batch = self._get(self._timeout)
-        if batch is not None:
-            return batch
-        if self.active:
-            raise KVEventTimeout(
-                f"no KV event batch for {self.model_name!r} from {self.url} within "
-                f"{self._timeout:g}s (the subscription stays open)")
-        raise StopIteration
-
-    def poll(self, timeout: float | None = 0.0) -> KVEventBatch | None:
-        """Return the next batch, or None after ``timeout`` seconds or once inactive.
-
-        Raises:
-            ProtocolError: The server sent a malformed batch (the subscription is closed).
-        """
-        if timeout is not None and (isinstance(timeout, bool) or
-                                    not isinstance(timeout, (int, float)) or timeout < 0):
-            raise InvalidArgumentError(f"timeout must be >= 0 seconds or None, got {timeout!r}")
-        return self._get(timeout)
-
-    def _get(self, timeout: float | None) -> KVEventBatch | None:
+    def _next(self, timeout: float | None) -> KVEventBatch | None:
         first = getattr(self, "_first", None)
         if first is not None:
             self._first = None
@@ -306,23 +255,6 @@ class GrpcKVEventSubscription:
             if th is not None and th is not threading.current_thread():
                 th.join(timeout)
         self._client.close()
-
-    def __enter__(self) -> GrpcKVEventSubscription:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
-
-    def __del__(self) -> None:
-        if not getattr(self, "_closed", True):
-            with contextlib.suppress(Exception):
-                self.close(timeout=0.2)
-
-    def __repr__(self) -> str:
-        state = "active" if self.active else "closed" if self._closed else "ended"
-        return (f"GrpcKVEventSubscription(model={self.model_name!r}, url={self.url!r}, "
-                f"instance_id={self.instance_id}, cursor={self._cursor}, {state})")
-
 
 class _ReadState:
     """The reader's position: cursor to resubscribe at, last incarnation, resync pending."""
