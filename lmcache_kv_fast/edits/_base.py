@@ -36,6 +36,8 @@ def top_tokens(score: torch.Tensor, n: int, forced: torch.Tensor | None = None
                ) -> torch.Tensor:
     """Sorted indices of the ``n`` best tokens by ``score`` ``[T]``, ``forced`` ones first.
 
+    Ties (max pooling makes many) go to the earlier token, so a selection is deterministic.
+
     Raises:
         InvalidArgumentError: More tokens are forced than ``n`` allows.
     """
@@ -49,7 +51,8 @@ def top_tokens(score: torch.Tensor, n: int, forced: torch.Tensor | None = None
             raise InvalidArgumentError(f"budget: {n} tokens cannot hold the {n_forced} always "
                                        f"kept (sinks / recent window)")
         s.masked_fill_(forced, float("inf"))
-    return torch.topk(s, n, sorted=False).indices.sort().values
+    order = torch.sort(s, descending=True, stable=True).indices
+    return order[:n].sort().values
 
 
 class Selection:
