@@ -34,19 +34,22 @@ def _check_rope(rope: object) -> RoPE:
     return rope
 
 
-def _rotate_plane(k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, rope: RoPE) -> None:
-    """Rotate the rotary dims of ``k`` ``[T, H, head_dim]`` in place (fp32 math)."""
-    rot = k[..., :rope.rotary_dim]
+def _rotate_plane(k: torch.Tensor, rot: torch.Tensor, rope: RoPE) -> None:
+    """Rotate the rotary dims of ``k`` ``[T, H, head_dim]`` in place (fp32 math).
+
+    Each pair becomes one complex number (real: first member, imaginary: second) and is
+    multiplied by ``rot`` ``[T, 1, rotary_dim/2]`` (``exp(i * angle)``): one float32 copy
+    in, one multiply, one cast back.
+    """
     half = rope.rotary_dim // 2
-    if rope.interleaved:
-        x1, x2 = rot[..., 0::2], rot[..., 1::2]
-    else:
-        x1, x2 = rot[..., :half], rot[..., half:]
-    f1, f2 = x1.float(), x2.float()
-    n1 = f1 * cos - f2 * sin
-    n2 = f2 * cos + f1 * sin
-    x1.copy_(n1)
-    x2.copy_(n2)
+    x = k[..., :rope.rotary_dim]
+    # pairs on the last axis: (2i, 2i+1) interleaved, (i, i+half) neox
+    pairs = x.unflatten(-1, (half, 2)) if rope.interleaved else \
+        x.unflatten(-1, (2, half)).transpose(-1, -2)
+    z = torch.view_as_complex(pairs.to(torch.float32, memory_format=torch.contiguous_format)
+                              .contiguous())
+    z.mul_(rot)
+    pairs.copy_(torch.view_as_real(z))
 
 
 def rerotate(kv: torch.Tensor, old_positions: Sequence[int] | torch.Tensor, rope: RoPE,
@@ -84,13 +87,12 @@ def rerotate(kv: torch.Tensor, old_positions: Sequence[int] | torch.Tensor, rope
     if count == 0 or bool(torch.equal(old, new)):
         return out
     angle = (new - old).to(torch.float64)[:, None] * rope.inv_freq().to(torch.float64)[None, :]
-    cos = angle.cos().to(torch.float32)[:, None, :]
-    sin = angle.sin().to(torch.float32)[:, None, :]
+    rot = torch.polar(torch.ones_like(angle), angle).to(torch.complex64)[:, None, :]
     try:
         k_heads = heads(out[0], rope.head_dim, "kv")
     except RuntimeError as exc:
         raise InvalidArgumentError(f"kv: inplace re-rotation needs rows whose heads can be "
                                    f"viewed (contiguous last dim): {exc}") from exc
     for layer in range(layers):
-        _rotate_plane(k_heads[layer], cos, sin, rope)
+        _rotate_plane(k_heads[layer], rot, rope)
     return out

@@ -137,6 +137,6 @@ def redundancy(k: torch.Tensor, head_dim: int, threshold: float) -> torch.Tensor
         kh = F.normalize(heads(k[layer], head_dim, "kv").float().transpose(0, 1), dim=-1)
         sim = torch.bmm(kh, kh.transpose(1, 2))  # [H, T, T]
         sim.diagonal(dim1=-2, dim2=-1).zero_()
-        sim = torch.where(sim > threshold, sim, torch.zeros((), dtype=sim.dtype))
+        sim = F.threshold(sim, threshold, 0.0, inplace=True)
         out.append(sim.mean(dim=-1).softmax(dim=-1))
     return torch.stack(out)
