@@ -175,25 +175,28 @@ class SnapKV(Selection):
     scale: float | None = None
     rope: RoPE | None = None
 
-    def _importance(self, kv: torch.Tensor, tokens: Sequence[int],
-                    queries: torch.Tensor | None, what: str) -> tuple[torch.Tensor, int]:
-        """Pooled window attention ``[L, Hq, T]`` (window tokens 0) and the window size."""
+    def _attention(self, kv: torch.Tensor, tokens: Sequence[int],
+                   queries: torch.Tensor | None, what: str) -> tuple[torch.Tensor, int]:
+        """Window attention ``[L, Hq, T]`` summed over the window, and the forced window."""
         q = resolve_queries(self.queries, queries, tokens, what)
         hd = resolve_head_dim(self.head_dim, self.rope, what)
         at_end = self.queries_at == "end"
         att = window_attention(q, kv[0], hd, self.window, at_end=at_end, scale=self.scale)
-        w = self.window if at_end else 0
-        prefix = kv.shape[2] - w
+        return att, (self.window if at_end else 0)
+
+    def _pooled(self, att: torch.Tensor, window: int) -> torch.Tensor:
+        """``att`` pooled over the tokens before the window; the window's scores zeroed."""
+        prefix = att.shape[-1] - window
         att[..., :prefix] = pool(att[..., :prefix], self.kernel, self.pooling)
         att[..., prefix:] = 0
-        return att, w
+        return att
 
     def indices(self, kv: torch.Tensor, tokens: Sequence[int],
                 queries: torch.Tensor | None) -> torch.Tensor:
         count = kv.shape[2]
-        att, w = self._importance(kv, tokens, queries, "snapkv")
+        att, w = self._attention(kv, tokens, queries, "snapkv")
         forced = _protected(count, 0, w)
-        return top_tokens(aggregate(att, self.aggregate, self.layers),
+        return top_tokens(aggregate(self._pooled(att, w), self.aggregate, self.layers),
                           count_kept(count, self.ratio, self.budget), forced)
 
 
@@ -207,11 +210,12 @@ class RKV(SnapKV):
     def indices(self, kv: torch.Tensor, tokens: Sequence[int],
                 queries: torch.Tensor | None) -> torch.Tensor:
         count = kv.shape[2]
-        att, w = self._importance(kv, tokens, queries, "rkv")
+        att, w = self._attention(kv, tokens, queries, "rkv")
         hd = resolve_head_dim(self.head_dim, self.rope, "rkv")
         red = redundancy(kv[0], hd, self.threshold)  # [L, Hkv, T]
         n_kv = red.shape[1]
-        imp = att.view(att.shape[0], n_kv, -1, count).mean(dim=2) / max(self.window, 1)
+        # R-KV's order: mean over the window and the query group, then pool
+        imp = self._pooled(att.view(att.shape[0], n_kv, -1, count).mean(dim=2) / self.window, w)
         score = self.lam * imp - (1 - self.lam) * red
         forced = _protected(count, 0, w)
         return top_tokens(aggregate(score, self.aggregate, self.layers),
