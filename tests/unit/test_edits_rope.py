@@ -288,3 +288,66 @@ def test_rerotate_shape_errors(kv: torch.Tensor, old: list[int], match: str) -> 
     rope = edits.rope_from_config(VARIANTS["default_new"][0])
     with pytest.raises(InvalidArgumentError, match=match):
         edits.rerotate(kv, old, rope)
+
+
+# ------------------------------------------------------------------ a real model's layer 0
+#: The tiny Llama's RoPE replaced by these (same weights): rope_parameters of config.json.
+MODEL_ROPES = {
+    "default": None,
+    "llama3": {"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0,
+               "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+               "original_max_position_embeddings": 256},
+    "yarn": {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0,
+             "original_max_position_embeddings": 1024},
+}
+
+
+@pytest.fixture(scope="module")
+def tiny_model() -> Path:
+    """The project's tiny random-weight Llama (written once, in the engine venv)."""
+    from lmcache_kv_fast.testing.tiny_model import ensure_tiny_model
+
+    try:
+        engine_python()
+        return ensure_tiny_model()
+    except EngineChildError as exc:
+        pytest.skip(f"tiny model unavailable: {exc}")
+
+
+def _model_with_rope(src: Path, dst: Path, rope_parameters: dict | None) -> Path:
+    """``src``'s files linked into ``dst`` with ``rope_parameters`` in its config.json."""
+    dst.mkdir()
+    for f in src.iterdir():
+        if f.name != "config.json":
+            (dst / f.name).symlink_to(f)
+    cfg = json.loads((src / "config.json").read_text(encoding="utf-8"))
+    if rope_parameters is not None:
+        cfg["rope_parameters"] = rope_parameters
+    (dst / "config.json").write_text(json.dumps(cfg), encoding="utf-8")
+    return dst
+
+
+@pytest.mark.parametrize("variant", list(MODEL_ROPES))
+def test_layer0_of_the_shortened_prompt(tiny_model: Path, tmp_path: Path, variant: str) -> None:
+    """drop_every + rope on a real model's KV == that model's KV of the shortened prompt.
+
+    Layer 0's K and V depend only on the token and its position, so after dropping and
+    re-rotating they must equal (to float32 rounding) what transformers computes for the
+    kept tokens alone; without re-rotation K must not.
+    """
+    from lmcache_kv_fast.testing.oracle import TransformersOracle
+
+    model = _model_with_rope(tiny_model, tmp_path / variant, MODEL_ROPES[variant])
+    rope = edits.rope_from_config(model)
+    assert rope.rope_type == variant
+    tokens = torch.randint(0, 1024, (300,), generator=torch.Generator().manual_seed(11)).tolist()
+    with TransformersOracle(model) as oracle:
+        full = oracle.kv(tokens)
+        out, kept = edits.drop_every(4, rope=rope)(full, tokens)
+        short = oracle.kv(kept)
+    assert len(kept) == 225 and out.shape == short.shape
+    scale = float(short[:, 0].abs().max())
+    torch.testing.assert_close(out[1, 0], short[1, 0], rtol=0, atol=1e-5 * scale)
+    torch.testing.assert_close(out[0, 0], short[0, 0], rtol=0, atol=1e-4 * scale)
+    stale, _ = edits.drop_every(4)(full, tokens)
+    assert float((stale[0, 0] - short[0, 0]).abs().max()) > 100 * 1e-4 * scale
