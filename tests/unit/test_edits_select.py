@@ -287,3 +287,23 @@ def test_bad_call_inputs_are_named() -> None:
     assert isinstance(info.value, (ValueError, KVCacheSDKError))
     with pytest.raises(InvalidTypeError, match="RoPE"):
         edits.drop_every(2, rope="llama")  # type: ignore[arg-type]
+
+
+def test_same_result_under_pooled_outputs() -> None:
+    """Under batch.rewrite's pooled edit outputs (>= 1 MiB results) every edit is unchanged."""
+    from lmcache_kv_fast.copy.select import backend
+    from lmcache_kv_fast.edit_policy import PooledOutputs
+
+    if backend().NAME != "native":
+        pytest.skip("pooled outputs need the native core")
+    gen = torch.Generator().manual_seed(2)
+    kv = torch.randn(2, 4, 512, 8 * DH, generator=gen).to(torch.bfloat16)  # 2 MiB per plane
+    q = torch.randn(4, 512, 16 * DH, generator=gen).to(torch.bfloat16)
+    tok = _tokens(512)
+    for edit in (edits.drop_every(10, rope=ROPE), edits.key_norm(0.5, head_dim=DH, rope=ROPE),
+                 edits.snapkv(q, 16, 5, ratio=0.3, head_dim=DH, rope=ROPE),
+                 edits.rkv(q, 8, 5, ratio=0.5, head_dim=DH, rope=ROPE)):
+        want = edit(kv, tok)
+        with PooledOutputs(backend().alloc_result):
+            got = edit(kv, tok)
+        assert got[1] == want[1] and torch.equal(got[0], want[0]), edit
