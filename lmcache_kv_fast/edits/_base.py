@@ -17,7 +17,7 @@ import torch
 from lmcache_kv_fast.edits._inputs import split_input, take_tokens
 from lmcache_kv_fast.edits._rerotate import rerotate
 from lmcache_kv_fast.edits._rope import RoPE
-from lmcache_kv_fast.errors import InvalidArgumentError, InvalidTypeError
+from lmcache_kv_fast.errors import InvalidTypeError
 
 __all__ = ["Selection", "chain", "check_rope", "top_tokens"]
 
@@ -36,20 +36,16 @@ def top_tokens(score: torch.Tensor, n: int, forced: torch.Tensor | None = None
                ) -> torch.Tensor:
     """Sorted indices of the ``n`` best tokens by ``score`` ``[T]``, ``forced`` ones first.
 
-    Ties (max pooling makes many) go to the earlier token, so a selection is deterministic.
-
-    Raises:
-        InvalidArgumentError: More tokens are forced than ``n`` allows.
+    Forced tokens are always kept, also when there are more of them than ``n`` (a short
+    sequence under a ratio). Ties (max pooling makes many) go to the earlier token, so a
+    selection is deterministic.
     """
     count = score.shape[0]
     if n >= count:
         return torch.arange(count, dtype=torch.int64)
     s = score.float().clone()
     if forced is not None:
-        n_forced = int(forced.sum())
-        if n_forced > n:
-            raise InvalidArgumentError(f"budget: {n} tokens cannot hold the {n_forced} always "
-                                       f"kept (sinks / recent window)")
+        n = max(n, int(forced.sum()))
         s.masked_fill_(forced, float("inf"))
     order = torch.sort(s, descending=True, stable=True).indices
     return order[:n].sort().values

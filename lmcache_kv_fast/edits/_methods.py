@@ -80,8 +80,8 @@ def snapkv(queries: QuerySource = None, window: int = 32, kernel: int = 7, *,
         queries: ``[L, Tq, Hq*Dh]`` or qcache's ``[1, L, Tq, Hq*Dh]`` (post-RoPE, as the
             engine's attention sees them), or ``queries(tokens) -> tensor`` per sequence,
             or None: the QUERY tensor of a batched stream's ``modify``.
-        window: Observation window: the last ``window`` queries; with ``queries_at="end"``
-            those tokens are always kept.
+        window: Observation window: the last ``window`` queries (all of them when fewer);
+            with ``queries_at="end"`` those tokens are always kept, also beyond a ratio.
         kernel: Odd pooling width over tokens (SnapKV's clustering; 1 = none).
         ratio: Fraction of tokens kept (window included), or
         budget: Tokens kept (window included).
@@ -95,7 +95,7 @@ def snapkv(queries: QuerySource = None, window: int = 32, kernel: int = 7, *,
         rope: Re-rotate the kept keys to ``0 .. T'-1`` when given.
     """
     check_amount(ratio, budget, "snapkv")
-    check_window_args(window, kernel, pooling, queries_at, aggregate, "snapkv")
+    check_window_args(window, kernel, pooling, queries_at, aggregate, "snapkv", budget)
     resolve_head_dim(head_dim, rope, "snapkv")
     return SnapKV(queries=queries, window=window, kernel=kernel, ratio=ratio, budget=budget,
                   pooling=pooling, aggregate=aggregate, queries_at=queries_at,
@@ -116,7 +116,7 @@ def rkv(queries: QuerySource = None, window: int = 8, kernel: int = 7, *,
     ``lam * importance - (1 - lam) * redundancy``. Other arguments as :func:`snapkv`.
     """
     check_amount(ratio, budget, "rkv")
-    check_window_args(window, kernel, pooling, queries_at, aggregate, "rkv")
+    check_window_args(window, kernel, pooling, queries_at, aggregate, "rkv", budget)
     resolve_head_dim(head_dim, rope, "rkv")
     if not 0.0 <= lam <= 1.0:
         raise InvalidArgumentError(f"rkv: lam must be in [0, 1], got {lam!r}")

@@ -82,10 +82,7 @@ def _uniform(count: int, n: int, forced: torch.Tensor | None) -> torch.Tensor:
         return torch.arange(count, dtype=torch.int64)
     forced = torch.zeros(count, dtype=torch.bool) if forced is None else forced
     free = torch.nonzero(~forced).flatten()
-    m = n - int(forced.sum())
-    if m < 0:
-        raise InvalidArgumentError(f"budget: {n} tokens cannot hold the {int(forced.sum())} "
-                                   f"always kept (sinks / recent window)")
+    m = max(n - int(forced.sum()), 0)
     pick = free[torch.div(torch.arange(m) * free.numel(), max(m, 1), rounding_mode="floor")]
     return torch.cat([torch.nonzero(forced).flatten(), pick]).sort().values
 
@@ -140,6 +137,10 @@ def make_key_scored(ratio: float | None, budget: int | None, score: str | ScoreF
         v = kw.get(name, 0)
         if isinstance(v, bool) or not isinstance(v, int) or v < 0:
             raise InvalidArgumentError(f"{what}: {name} must be an int >= 0, got {v!r}")
+    always = kw.get("sinks", 0) + kw.get("recent", 0)
+    if budget is not None and budget < always:
+        raise InvalidArgumentError(f"{what}: budget {budget} cannot hold the {always} tokens "
+                                   f"always kept (sinks + recent)")
     check_rope(kw.get("rope"))
     return KeyScored(ratio=ratio, budget=budget, score=score, **kw)
 
@@ -176,13 +177,17 @@ class SnapKV(Selection):
     rope: RoPE | None = None
 
     def _attention(self, kv: torch.Tensor, tokens: Sequence[int],
-                   queries: torch.Tensor | None, what: str) -> tuple[torch.Tensor, int]:
-        """Window attention ``[L, Hq, T]`` summed over the window, and the forced window."""
+                   queries: torch.Tensor | None, what: str) -> tuple[torch.Tensor, int, int]:
+        """Window attention ``[L, Hq, T]`` summed over the window; forced and used window.
+
+        Fewer queries than ``window`` (a short prompt) make the window that short.
+        """
         q = resolve_queries(self.queries, queries, tokens, what)
         hd = resolve_head_dim(self.head_dim, self.rope, what)
         at_end = self.queries_at == "end"
-        att = window_attention(q, kv[0], hd, self.window, at_end=at_end, scale=self.scale)
-        return att, (self.window if at_end else 0)
+        window = min(self.window, q.shape[-2]) if q.dim() >= 2 else self.window
+        att = window_attention(q, kv[0], hd, window, at_end=at_end, scale=self.scale)
+        return att, (window if at_end else 0), window
 
     def _pooled(self, att: torch.Tensor, window: int) -> torch.Tensor:
         """``att`` pooled over the tokens before the window; the window's scores zeroed."""
@@ -194,7 +199,7 @@ class SnapKV(Selection):
     def indices(self, kv: torch.Tensor, tokens: Sequence[int],
                 queries: torch.Tensor | None) -> torch.Tensor:
         count = kv.shape[2]
-        att, w = self._attention(kv, tokens, queries, "snapkv")
+        att, w, _ = self._attention(kv, tokens, queries, "snapkv")
         forced = _protected(count, 0, w)
         return top_tokens(aggregate(self._pooled(att, w), self.aggregate, self.layers),
                           count_kept(count, self.ratio, self.budget), forced)
@@ -210,12 +215,12 @@ class RKV(SnapKV):
     def indices(self, kv: torch.Tensor, tokens: Sequence[int],
                 queries: torch.Tensor | None) -> torch.Tensor:
         count = kv.shape[2]
-        att, w = self._attention(kv, tokens, queries, "rkv")
+        att, w, used = self._attention(kv, tokens, queries, "rkv")
         hd = resolve_head_dim(self.head_dim, self.rope, "rkv")
         red = redundancy(kv[0], hd, self.threshold)  # [L, Hkv, T]
         n_kv = red.shape[1]
         # R-KV's order: mean over the window and the query group, then pool
-        imp = self._pooled(att.view(att.shape[0], n_kv, -1, count).mean(dim=2) / self.window, w)
+        imp = self._pooled(att.view(att.shape[0], n_kv, -1, count).mean(dim=2) / used, w)
         score = self.lam * imp - (1 - self.lam) * red
         forced = _protected(count, 0, w)
         return top_tokens(aggregate(score, self.aggregate, self.layers),
@@ -223,10 +228,13 @@ class RKV(SnapKV):
 
 
 def check_window_args(window: int, kernel: int, pooling: str, queries_at: str,
-                      aggregate_: str, what: str) -> None:
+                      aggregate_: str, what: str, budget: int | None = None) -> None:
     """Validate the observation-window arguments of :func:`snapkv` / :func:`rkv`."""
     if isinstance(window, bool) or not isinstance(window, int) or window < 1:
         raise InvalidArgumentError(f"{what}: window must be an int >= 1, got {window!r}")
+    if budget is not None and queries_at == "end" and budget < window:
+        raise InvalidArgumentError(f"{what}: budget {budget} cannot hold the window of "
+                                   f"{window} tokens it always keeps")
     if isinstance(kernel, bool) or not isinstance(kernel, int) or kernel < 1 or kernel % 2 == 0:
         raise InvalidArgumentError(f"{what}: kernel must be an odd int >= 1 (a centred pool), "
                                    f"got {kernel!r}")

@@ -180,6 +180,17 @@ def test_snapkv_matches_a_plain_reference() -> None:
                  _tokens(40)) == want
 
 
+def test_short_sequences_keep_their_protected_tokens() -> None:
+    """A ratio below the window or sinks + recent keeps those; fewer queries shrink the window."""
+    kv, q = _gqa_case()
+    assert _kept(edits.snapkv(q, window=4, kernel=1, ratio=0.1, head_dim=DH), kv,
+                 _tokens(12)) == [8, 9, 10, 11]
+    assert _kept(edits.snapkv(q[:, -3:], window=4, kernel=1, budget=5, head_dim=DH), kv,
+                 _tokens(12)) == [3, 7, 9, 10, 11]
+    assert _kept(edits.keep_ratio(0.1, "uniform", sinks=1, recent=2), _kv(), _tokens(10)) == \
+        [0, 8, 9]
+
+
 def test_snapkv_queries_after_the_kv() -> None:
     """queries_at='after': every key visible, nothing forced; the attended tokens win."""
     kv, q = _gqa_case()
@@ -259,7 +270,9 @@ def test_chain_composes_selections() -> None:
     (lambda: edits.keep_ratio(0.5, head_dim=DH, aggregate="sum"), "sum"),
     (lambda: edits.key_norm(head_dim=DH), "exactly one"),
     (lambda: edits.snapkv(None, window=2, kernel=4, budget=4, head_dim=DH), "odd"),
-    (lambda: edits.rkv(None, budget=4, lam=2.0, head_dim=DH), "lam"),
+    (lambda: edits.rkv(None, budget=16, lam=2.0, head_dim=DH), "lam"),
+    (lambda: edits.snapkv(None, window=6, budget=4, head_dim=DH), "cannot hold the window"),
+    (lambda: edits.keep_budget(3, "uniform", sinks=2, recent=2), "cannot hold"),
 ])
 def test_bad_arguments_are_named(make, match: str) -> None:
     """Bad construction arguments: an InvalidArgumentError naming them."""
@@ -280,8 +293,6 @@ def test_bad_call_inputs_are_named() -> None:
         edits.snapkv(q[..., : 3 * DH], window=2, kernel=1, budget=4, head_dim=DH)(kv, _tokens(12))
     with pytest.raises(InvalidArgumentError, match="L=1"):
         edits.snapkv(q.expand(2, -1, -1), window=2, budget=4, head_dim=DH)(kv, _tokens(12))
-    with pytest.raises(InvalidArgumentError, match="cannot hold"):
-        edits.snapkv(q, window=6, kernel=1, budget=4, head_dim=DH)(kv, _tokens(12))
     with pytest.raises(InvalidArgumentError, match="no query tensors") as info:
         edits.snapkv(window=2, budget=4, head_dim=DH)(kv, _tokens(12))
     assert isinstance(info.value, (ValueError, KVCacheSDKError))
