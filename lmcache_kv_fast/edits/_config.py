@@ -98,11 +98,15 @@ def _rope_params(cfg: Mapping[str, Any]) -> dict[str, Any]:
     if not isinstance(params, Mapping):
         raise InvalidArgumentError(f"config: rope_parameters / rope_scaling must be an object, "
                                    f"got {type(params).__name__}")
-    if params and all(isinstance(v, Mapping) for v in params.values()):
-        raise InvalidArgumentError(
-            f"config: RoPE differs per layer type ({sorted(params)}); re-rotation takes one "
-            f"RoPE: build one per layer type with rope_from_config on that part")
-    return dict(params)
+    if cfg.get("rope_local_base_freq") is not None:
+        why = "rope_local_base_freq: local layers use another base"
+    elif params and all(isinstance(v, Mapping) for v in params.values()):
+        why = f"nested {sorted(params)}"
+    else:
+        return dict(params)
+    raise InvalidArgumentError(
+        f"config: RoPE differs per layer type ({why}); re-rotation takes one RoPE: build one "
+        f"per layer type (rope_from_config on a config holding that type's parameters)")
 
 
 def _rotary_dim(cfg: Mapping[str, Any], params: Mapping[str, Any], head_dim: int) -> int:
@@ -206,6 +210,10 @@ def rope_from_config(config: Mapping[str, Any] | str | os.PathLike[str], *,
             cfg.get("rope_parameters") or cfg.get("rope_scaling") or cfg.get("rope_theta")):
         cfg = {**cfg["text_config"], "model_type": cfg["text_config"].get("model_type")
                or cfg.get("model_type")}
+    if cfg.get("kv_lora_rank"):
+        raise InvalidArgumentError(
+            "config: an MLA model (kv_lora_rank) caches one latent plane, not [2, L, T, D]; "
+            "re-rotating its qk_rope_head_dim part is not supported")
     params = _rope_params(cfg)
     _check_rotary(cfg, params)
     rope_type = str(params.get("rope_type") or params.get("type") or "default")

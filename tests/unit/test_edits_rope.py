@@ -262,6 +262,10 @@ def test_rerotate_without_rope_is_refused() -> None:
                                   "sliding_attention": {"rope_type": "default"}}},
      "per layer type"),
     ({"model_type": "llama", "rope_theta": 1e4}, "head_dim"),
+    ({**BASE, "model_type": "gemma3_text", "rope_theta": 1e6, "rope_local_base_freq": 1e4},
+     "per layer type"),
+    ({**BASE, "model_type": "deepseek_v3", "kv_lora_rank": 512, "qk_rope_head_dim": 64,
+      "rope_theta": 1e4}, "MLA"),
 ])
 def test_bad_configs_are_named(cfg: dict, match: str) -> None:
     """Missing or out-of-range parameters: an error naming what is wrong."""
