@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -163,7 +163,7 @@ def resolve_queries(source: QuerySource, given: torch.Tensor | None,
 class SnapKV(Selection):
     """SnapKV (Li et al. 2024): keep what the observation window attends to, plus the window."""
 
-    queries: QuerySource
+    queries: QuerySource = field(repr=False)
     window: int
     kernel: int
     ratio: float | None
