@@ -1,0 +1,142 @@
+"""Per-(layer, head) token scores and their aggregation into one score per token.
+
+The cache layout shares one token axis across layers and heads, so a selection keeps one
+token set per sequence: every scorer here returns ``[L, H, T]`` and :func:`aggregate`
+reduces it over layers and heads (``"mean"`` or ``"max"``, the caller's choice). Higher
+means keep. All math is float32, one layer at a time (bounded temporaries), vectorised
+over tokens.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+import torch.nn.functional as F
+
+from lmcache_kv_fast.edits._inputs import heads
+from lmcache_kv_fast.errors import InvalidArgumentError
+
+__all__ = ["AGGREGATES", "aggregate", "key_scores", "pool", "redundancy", "window_attention"]
+
+#: How per-(layer, head) scores become one score per token.
+AGGREGATES = ("mean", "max")
+
+
+def aggregate(scores: torch.Tensor, how: str, layers: Sequence[int] | None = None
+              ) -> torch.Tensor:
+    """Reduce ``[L, H, T]`` scores over the chosen layers and all heads to ``[T]``."""
+    if layers is not None:
+        idx = torch.as_tensor(list(layers), dtype=torch.int64)
+        if idx.numel() == 0 or int(idx.min()) < -scores.shape[0] or \
+                int(idx.max()) >= scores.shape[0]:
+            raise InvalidArgumentError(f"layers: expected indices of the {scores.shape[0]} "
+                                       f"layers, got {list(layers)}")
+        scores = scores.index_select(0, idx % scores.shape[0])
+    flat = scores.reshape(-1, scores.shape[-1])
+    if how == "mean":
+        return flat.mean(dim=0)
+    if how == "max":
+        return flat.amax(dim=0)
+    raise InvalidArgumentError(f"aggregate: expected one of {list(AGGREGATES)}, got {how!r}")
+
+
+def key_scores(k: torch.Tensor, head_dim: int, method: str) -> torch.Tensor:
+    """Query-free scores from the keys ``[L, T, D]``: ``[L, H, T]``.
+
+    ``"keydiff"`` (Park et al. 2025, KeyDiff): minus the cosine similarity of each key to
+    its head's mean key — distinctive keys score high. ``"l2"`` (Devoto et al. 2024): minus
+    the key's L2 norm over the head's mean norm — low-norm keys score high, every head on
+    the same scale.
+    """
+    out = []
+    for layer in range(k.shape[0]):
+        kh = heads(k[layer], head_dim, "kv").float().transpose(0, 1)  # [H, T, Dh]
+        if method == "keydiff":
+            anchor = kh.mean(dim=1, keepdim=True)
+            out.append(-F.cosine_similarity(kh, anchor, dim=-1))
+        elif method == "l2":
+            norm = kh.norm(dim=-1)
+            out.append(-(norm / norm.mean(dim=-1, keepdim=True).clamp_min(1e-12)))
+        else:
+            raise InvalidArgumentError(f"score: expected 'keydiff' or 'l2', got {method!r}")
+    return torch.stack(out)
+
+
+def pool(x: torch.Tensor, kernel: int, how: str) -> torch.Tensor:
+    """Smooth ``[..., T]`` scores over neighbouring tokens (SnapKV's clustering step)."""
+    if kernel <= 1 or x.shape[-1] == 0:
+        return x
+    flat = x.reshape(-1, 1, x.shape[-1])
+    if how == "max":
+        y = F.max_pool1d(flat, kernel, stride=1, padding=kernel // 2)
+    elif how == "avg":
+        y = F.avg_pool1d(flat, kernel, stride=1, padding=kernel // 2, count_include_pad=False)
+    else:
+        raise InvalidArgumentError(f"pooling: expected 'max' or 'avg', got {how!r}")
+    return y.reshape(x.shape)
+
+
+def _queries(q: torch.Tensor, layers: int) -> torch.Tensor:
+    """Query tensor as ``[L, Tq, Hq*Dh]`` (qcache's ``[1, L, Tq, Hq*Dh]`` accepted)."""
+    if q.dim() == 4 and q.shape[0] == 1:
+        q = q[0]
+    if q.dim() != 3 or q.shape[0] != layers:
+        raise InvalidArgumentError(f"queries: expected [L, Tq, Hq*Dh] or [1, L, Tq, Hq*Dh] "
+                                   f"with L={layers} (the KV's layers), got {tuple(q.shape)}")
+    return q
+
+
+def window_attention(q: torch.Tensor, k: torch.Tensor, head_dim: int, window: int, *,
+                     at_end: bool, scale: float | None = None) -> torch.Tensor:
+    """Attention of the last ``window`` queries to every key, summed over them: ``[L, Hq, T]``.
+
+    GQA: query head ``h`` reads KV head ``h // g`` (``g = Hq / Hkv``, the grouping of
+    transformers' ``repeat_kv`` and vLLM). With ``at_end`` the queries are those of the
+    KV's last ``Tq`` tokens and each attends causally (keys up to its own position);
+    otherwise they come after the KV and see every key.
+    """
+    q = _queries(q, k.shape[0])
+    tq, count = q.shape[1], k.shape[1]
+    if window <= 0 or window > tq:
+        raise InvalidArgumentError(f"window: expected 1 .. {tq} (the queries given), got "
+                                   f"{window}")
+    if at_end and tq > count:
+        raise InvalidArgumentError(f"queries: {tq} query positions but the KV holds {count} "
+                                   f"tokens (queries_at='end' needs Tq <= T)")
+    scale = head_dim ** -0.5 if scale is None else scale
+    qpos = torch.arange(count - window, count)[:, None]
+    mask = torch.arange(count)[None, :] > qpos  # [W, T]: future keys of each query
+    out = []
+    for layer in range(k.shape[0]):
+        qh = heads(q[layer, tq - window:], head_dim, "queries").float()  # [W, Hq, Dh]
+        kh = heads(k[layer], head_dim, "kv").float()  # [T, Hkv, Dh]
+        n_q, n_kv = qh.shape[1], kh.shape[1]
+        if n_q % n_kv:
+            raise InvalidArgumentError(f"queries: {n_q} query heads is not a multiple of the "
+                                       f"KV's {n_kv} heads (GQA needs Hq = g * Hkv)")
+        g = n_q // n_kv
+        qg = qh.reshape(window, n_kv, g, head_dim).permute(1, 2, 0, 3).reshape(
+            n_kv, g * window, head_dim)
+        logits = torch.bmm(qg, kh.permute(1, 2, 0)).mul_(scale).view(n_kv, g, window, count)
+        if at_end:
+            logits.masked_fill_(mask, float("-inf"))
+        out.append(logits.softmax(dim=-1).sum(dim=2).reshape(n_q, count))
+    return torch.stack(out)
+
+
+def redundancy(k: torch.Tensor, head_dim: int, threshold: float) -> torch.Tensor:
+    """R-KV's redundancy of each key: ``[L, Hkv, T]``, softmax-normalised over tokens.
+
+    Mean cosine similarity of a key to the other keys of its head, counting only pairs
+    above ``threshold`` (near-duplicates), then a softmax over tokens as in R-KV's
+    reference code, so it sums to 1 like the importance it is weighed against.
+    """
+    out = []
+    for layer in range(k.shape[0]):
+        kh = F.normalize(heads(k[layer], head_dim, "kv").float().transpose(0, 1), dim=-1)
+        sim = torch.bmm(kh, kh.transpose(1, 2))  # [H, T, T]
+        sim.diagonal(dim1=-2, dim2=-1).zero_()
+        sim = F.threshold(sim, threshold, 0.0, inplace=True)
+        out.append(sim.mean(dim=-1).softmax(dim=-1))
+    return torch.stack(out)
