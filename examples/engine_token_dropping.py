@@ -8,7 +8,9 @@ engine decodes from the edit.
 3. The SDK connects with nothing but the model name: it finds the CPU engine's geometry
    from the engine's registration and the model's ``config.json``.
 4. Per prompt: retrieve the per-token K/V ``[2, L, T, kv_heads*head_size]``, drop every
-   10th token (K/V and id), store the edit under the edited token list (whole chunks).
+   10th token (K/V and id) with ``edits.drop_every(10, rope=...)``, which re-rotates the
+   kept keys to their new positions (the model's RoPE from its ``config.json``), store the
+   edit under the edited token list (whole chunks).
 5. The engine decodes the edited prompts: it loads the edited prefix from LMCache (an
    external prefix hit of whole chunks) and computes only the rest.
 
@@ -28,7 +30,7 @@ import time
 from collections.abc import Iterator
 
 import lmcache_kv_fast as lkf
-from lmcache_kv_fast.demo import drop_every_kth
+from lmcache_kv_fast import edits
 from lmcache_kv_fast.testing import LMCacheServer
 from lmcache_kv_fast.testing.engine import OfflineEngine, engine_lmcache_server
 from lmcache_kv_fast.testing.tiny_model import ensure_tiny_model
@@ -97,6 +99,9 @@ def run(*, prompts: int = 4, tokens: int = 800, k: int = 10, decode_tokens: int 
                     list(ctx.kv_shape(tokens)))
 
         # 4. Retrieve per-token K/V, drop every k-th token, store under the edited ids.
+        # Drop every k-th token and re-rotate the kept keys to their new positions: the
+        # engine puts the next token at the edited length (docs/edits.md).
+        edit = edits.drop_every(k, rope=edits.rope_from_config(model))
         edited: list[list[int]] = []
         expected: list[int] = []
         for prompt in batch:
@@ -107,7 +112,7 @@ def run(*, prompts: int = 4, tokens: int = 800, k: int = 10, decode_tokens: int 
                 return False
             hit = kv.shape[-2]
             with phase("SDK edit"):
-                new_kv, new_prefix = drop_every_kth(kv, prompt[:hit], k)
+                new_kv, new_prefix = edit(kv, prompt[:hit])
             with phase("SDK store"):
                 res = ctx.store_ex(new_kv, new_prefix)  # whole chunks of the edit
             if not res.ok:
