@@ -107,7 +107,8 @@ def fleet_env_fixture() -> Iterator[FleetEnv]:
             cluster.shutdown()
         for s in servers:
             s.stop()
-        if session_dir and os.path.basename(session_dir).startswith("session_"):
+        if session_dir and os.path.basename(session_dir).startswith("session_") and \
+                not os.environ.get("LMCACHE_KV_FAST_KEEP_RAY_LOGS"):
             shutil.rmtree(session_dir, ignore_errors=True)  # the cluster's logs
 
 
