@@ -98,37 +98,27 @@ def _settable(path: str) -> property:
 class LMCacheKVCacheContext:
     """A connection to one LMCache MP server for one model.
 
-    Create it with :func:`lmcache_kv_fast.connect` (or the constructor); use
-    :meth:`retrieve`, :meth:`store`, :meth:`store_ex`, :meth:`lookup`; :meth:`close` it (or
-    use it as a context manager). Safe to share between threads; not usable in a child
-    process after ``fork()`` (its calls raise ``KVCacheSDKError`` there: ``connect()`` a
-    context in the child).
+    Made by :func:`lmcache_kv_fast.connect` (same arguments). Thread-safe; after ``fork()``
+    its calls raise in the child (``connect()`` there).
 
     Args:
-        url: ZMQ URL of the server, ``tcp://host:port``.
+        url: Control URL of the server, ``tcp://host:port`` or ``grpc://host:port``.
         http_url: HTTP URL of the server, ``http://host:port``.
         model_name: Model name the KV is stored under.
         timeout: Seconds every server call may take.
-        layout: Explicit model geometry (of the server's objects, moved as they are); when
-            None it is read from the vLLM registration in ``/status`` (like the upstream
-            SDK), or, for an engine-driven (CPU) vLLM engine, derived from its
-            registration and the model's configuration (docs/engine-kv-layout.md).
+        layout: Explicit geometry of the server's objects; None: the vLLM registration in
+            ``/status``, or a CPU engine's registration + config (docs/engine-kv-layout.md).
         world_size: Tensor-parallel KV shards (with ``layout``; else from ``/status``).
-        model_config: A CPU engine's model configuration: its directory, ``config.json``,
-            a Hugging Face id in the local cache, or a dict (default: the model name).
-        block_size: A CPU engine's vLLM block size (picks among disagreeing
-            registrations, or describes an engine that is not registered any more).
+        model_config: A CPU engine's configuration (dir, ``config.json``, dict).
+        block_size: A CPU engine's vLLM block size when it cannot be read.
         dtype: A CPU engine's KV dtype when it differs from the configuration's.
-        kernel: A CPU engine's attention kernel (``"vec"``, ``"vec16"``, ``"amx"``) when
-            it runs on another machine (default: vLLM's choice on this one).
+        kernel: A CPU engine's attention kernel when it runs on another machine.
         copy_threads: Threads of the native copy pool (None: env or usable cores).
         heartbeat: Ping the server so it never reaps this live client (docs/protocol.md §3.11).
         read_hints: Copy a retrieved prefix from where it lay last time until the server's
             ``prepare_retrieve`` reply is in (SHM only; each chunk kept only when the reply
             names the slot it was read from).
-        api_key: The API key of a key-protected server (0.5.7+), sent on every HTTP
-            request; None reads ``LMCACHE_API_KEY`` / ``LMCACHE_API_KEY_FILE``. Never
-            logged or shown.
+        api_key: A key-protected server's API key (None: ``LMCACHE_API_KEY[_FILE]``).
 
     Raises:
         KVCacheSDKError: The server cannot be used (see the message for why).

@@ -56,34 +56,24 @@ def connect(
     """Connect to an LMCache MP server and register this SDK instance.
 
     Args:
-        url: ZMQ URL, ``tcp://host:port``.
+        url: Control URL, ``tcp://host:port`` (ZMQ) or ``grpc://host:port`` (gRPC).
         http_url: HTTP URL, ``http://host:port``.
         model_name: Model whose KV is stored/retrieved.
         timeout: Seconds every server call may take (connect probes use at most 5 s).
-        layout: Explicit geometry of the server's objects (no vLLM registration needed);
-            see :class:`KVLayout`. Without it and without a vLLM registration, a CPU
-            (engine-driven) vLLM engine's geometry is derived from its registration and
-            the model's configuration, and retrieve/store move per-token K/V
-            (docs/engine-kv-layout.md).
+        layout: Explicit geometry of the server's objects (:class:`KVLayout`); None: the
+            vLLM registration, or a CPU engine's (per-token K/V, docs/engine-kv-layout.md).
         world_size: Tensor-parallel KV shards of the model.
         copy_threads: Native copy threads (default: ``LMCACHE_KV_FAST_THREADS`` or cores).
         heartbeat: Keep the registration alive with pings while the context is open.
-        read_hints: On an SHM server, remember where a prefix's chunks lay (last retrieve
-            or whole store of it, up to 256 prefixes) and, when it is retrieved again,
-            copy from there until the server's ``prepare_retrieve`` reply is in; a chunk
-            read early is kept only if the reply names the slot it came from, else read
-            again (a stale hint costs the chunks read meanwhile, never a wrong byte).
-            Overlaps the server's ~1.4 ms handling of that request with the copy.
-        model_config: A CPU engine's model configuration: its directory, ``config.json``,
-            a Hugging Face id in the local cache, or a dict (default: ``model_name``).
-        block_size: A CPU engine's vLLM block size (picks among disagreeing
-            registrations, or describes an engine that is not registered any more).
+        read_hints: On an SHM server, copy a repeated prefix from where it lay last time
+            while ``prepare_retrieve`` is answered; only chunks the reply confirms are
+            kept (docs/read-hints.md).
+        model_config: A CPU engine's configuration (dir, ``config.json``, dict).
+        block_size: A CPU engine's vLLM block size when it cannot be read.
         dtype: A CPU engine's KV dtype when it differs from the configuration's.
-        kernel: A CPU engine's attention kernel (``"vec"``, ``"vec16"``, ``"amx"``) when it
-            runs on another machine.
-        api_key: The API key of a key-protected server (LMCache 0.5.7+); None reads
-            ``LMCACHE_API_KEY`` / ``LMCACHE_API_KEY_FILE``. Sent on every HTTP request,
-            never logged.
+        kernel: A CPU engine's attention kernel when it runs on another machine.
+        api_key: A key-protected server's API key (LMCache 0.5.7+; None:
+            ``LMCACHE_API_KEY[_FILE]``), sent on every HTTP request, never logged.
 
     Returns:
         A connected context.
