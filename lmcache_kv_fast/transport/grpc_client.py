@@ -39,7 +39,7 @@ from lmcache_kv_fast.errors import (
 )
 from lmcache_kv_fast.protocol.ops import Generation, Op
 from lmcache_kv_fast.transport import grpc_codec
-from lmcache_kv_fast.transport.registry import ChannelRegistry
+from lmcache_kv_fast.transport.registry import ChannelBase, ChannelRegistry
 from lmcache_kv_fast.transport.urls import parse_grpc_url
 from lmcache_kv_fast.transport.zmq_client import (
     _POLL_SLICE_MS,
@@ -91,29 +91,17 @@ class GrpcCall(PendingCall):
     future: Any = None
 
 
-class GrpcChannel:
+class GrpcChannel(ChannelBase):
     """One thread's view of the client: its in-flight RPCs, fired calls and affinity id."""
 
     def __init__(self, client: GrpcClient, *, bound: bool = True) -> None:
-        self._client = client
+        super().__init__(client, bound)
         self._metadata = ((CLIENT_ID_KEY, os.urandom(16)),)
         self._inflight: dict[bytes, GrpcCall] = {}
         self._parked: set[bytes] = set()
-        self._unacked: dict[bytes, GrpcCall] = {}
-        self._on_ack: dict[bytes, Callable[[bytes], None]] = {}
         #: Completed calls not looked at yet (written by gRPC's threads under client.cv).
         self._arrived: dict[bytes, GrpcCall] = {}
         self._lost_seen = client.lost_count
-        self.owner = threading.get_ident() if bound else 0
-        self.unresponsive = False
-        self.wait_s = 0.0
-        self.waits = 0
-        self.retired = False
-
-    @property
-    def client(self) -> GrpcClient:
-        """The client this channel belongs to."""
-        return self._client
 
     # -- sending ---------------------------------------------------------------------
     def send(self, op: Op, payloads: Sequence[Any] = (), *, raw: Sequence[Any] = ()) -> GrpcCall:
@@ -160,11 +148,6 @@ class GrpcChannel:
             if call.future.done():
                 self._arrived[call.uid_frame] = call
         return call.uid_frame
-
-    @property
-    def unacked(self) -> int:
-        """Fired calls whose reply has not been consumed yet."""
-        return len(self._unacked)
 
     def collect(self, timeout_ms: int = 0) -> None:
         """Consume the replies that arrived (waiting up to ``timeout_ms`` for the first)."""
@@ -303,11 +286,6 @@ class GrpcChannel:
         """Forget ``call``: its reply is dropped (the RPC keeps running on the server)."""
         assert isinstance(call, GrpcCall)
         self._consume(call)
-
-    def call(self, op: Op, payloads: Sequence[Any] = (), resp_type: Any = None,
-             timeout: float | None = None, *, raw: Sequence[Any] = ()) -> Any:
-        """Send one request and wait for its reply."""
-        return self.wait(self.send(op, payloads, raw=raw), resp_type, timeout)
 
     def peer_lost(self) -> bool:
         """Whether the connection dropped since this channel last asked, or is down now.

@@ -1,5 +1,8 @@
 """What every control-plane client shares: per-thread channels and a close that waits.
 
+:class:`ChannelBase` is the bookkeeping every channel keeps (its owner thread, fired calls,
+wait time); the transports add how requests travel.
+
 ``ZmqClient`` and ``GrpcClient`` differ in how a channel talks to the server, not in how
 channels are handed out: one per calling thread (created on first use), unbound ones for
 the late-reply settler and the deferred releases, ``active()`` sections that ``close()``
@@ -11,13 +14,56 @@ from __future__ import annotations
 import contextlib
 import threading
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any, Generic, TypeVar
 
 from lmcache_kv_fast.errors import ContextClosedError
 from lmcache_kv_fast.protocol.ops import Op
 
 C = TypeVar("C")
+
+
+class ChannelBase:
+    """State and calls a channel has whatever its transport (a base class)."""
+
+    def __init__(self, client: Any, bound: bool) -> None:
+        self._client = client
+        #: Fired calls (see ``fire()``) whose acknowledgement has not arrived yet.
+        self._unacked: dict[bytes, Any] = {}
+        #: Callbacks of fired calls, run (on the draining thread) when their reply arrives.
+        self._on_ack: dict[bytes, Callable[[bytes], None]] = {}
+        #: Thread that owns this channel (0: not bound to a thread, see ``new_channel()``).
+        self.owner = threading.get_ident() if bound else 0
+        #: A call timed out and nothing was received since (a shortened next wait).
+        self.unresponsive = False
+        #: Seconds spent blocked in ``wait`` and the number of waits (for OpTiming).
+        self.wait_s = 0.0
+        self.waits = 0
+        #: Handed to the late-reply settler (``retire``): its old thread must not use it.
+        self.retired = False
+
+    @property
+    def client(self) -> Any:
+        """The client this channel belongs to."""
+        return self._client
+
+    @property
+    def unacked(self) -> int:
+        """Fired calls whose reply has not been consumed yet."""
+        return len(self._unacked)
+
+    def send(self, op: Op, payloads: Sequence[Any] = (), *, raw: Sequence[Any] = ()) -> Any:
+        """Send one request; return its handle (each transport's own)."""
+        raise NotImplementedError
+
+    def wait(self, call: Any, resp_type: Any = None, timeout: float | None = None) -> Any:
+        """Wait for the reply of ``call`` and decode it (each transport's own)."""
+        raise NotImplementedError
+
+    def call(self, op: Op, payloads: Sequence[Any] = (), resp_type: Any = None,
+             timeout: float | None = None, *, raw: Sequence[Any] = ()) -> Any:
+        """Send one request and wait for its reply (see :meth:`send`, :meth:`wait`)."""
+        return self.wait(self.send(op, payloads, raw=raw), resp_type, timeout)
 
 
 class ChannelRegistry(Generic[C]):

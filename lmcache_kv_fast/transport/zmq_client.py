@@ -13,7 +13,6 @@ import contextlib
 import itertools
 import logging
 import os
-import threading
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -29,7 +28,7 @@ from lmcache_kv_fast.errors import (
 )
 from lmcache_kv_fast.protocol import codec
 from lmcache_kv_fast.protocol.ops import Generation, Op
-from lmcache_kv_fast.transport.registry import ChannelRegistry
+from lmcache_kv_fast.transport.registry import ChannelBase, ChannelRegistry
 from lmcache_kv_fast.transport.urls import Endpoint, parse_zmq_url
 
 logger = logging.getLogger(__name__)
@@ -57,11 +56,11 @@ class PendingCall:
     sent_at: float
 
 
-class Channel:
+class Channel(ChannelBase):
     """One DEALER socket, used by one thread only."""
 
     def __init__(self, client: ZmqClient, *, bound: bool = True) -> None:
-        self._client = client
+        super().__init__(client, bound)
         self._monitor: zmq.Socket | None = None
         self.sock: zmq.Socket = client.zmq_context.socket(zmq.DEALER)
         try:
@@ -77,25 +76,6 @@ class Channel:
             raise
         self._inflight: dict[bytes, PendingCall] = {}
         self._parked: dict[bytes, list[Any]] = {}
-        #: Fired calls (see fire()) whose acknowledgement has not arrived yet.
-        self._unacked: dict[bytes, PendingCall] = {}
-        #: Callbacks of fired calls, run (on the draining thread) when their reply arrives.
-        self._on_ack: dict[bytes, Callable[[bytes], None]] = {}
-        #: Thread that owns this channel (0: not bound to a thread, see new_channel()).
-        self.owner = threading.get_ident() if bound else 0
-        #: A call timed out and nothing was received since (see UNRESPONSIVE_TIMEOUT_S).
-        self.unresponsive = False
-        #: Seconds spent blocked in :meth:`wait` and the number of waits (for OpTiming).
-        self.wait_s = 0.0
-        self.waits = 0
-        #: Handed to the late-reply settler (``ZmqClient.retire``): its old thread must
-        #: not use it any more.
-        self.retired = False
-
-    @property
-    def client(self) -> ZmqClient:
-        """The client this channel belongs to."""
-        return self._client
 
     # -- sending ---------------------------------------------------------------------
     def send(self, op: Op, payloads: Sequence[Any] = (), *, raw: Sequence[bytes] = ()) -> PendingCall:
@@ -148,11 +128,6 @@ class Channel:
         if on_ack is not None:
             self._on_ack[call.uid_frame] = on_ack
         return call.uid_frame
-
-    @property
-    def unacked(self) -> int:
-        """Fired calls whose reply has not arrived yet."""
-        return len(self._unacked)
 
     def collect(self, timeout_ms: int = 0) -> None:
         """Consume the replies that arrived (waiting up to ``timeout_ms`` for the first)."""
@@ -283,11 +258,6 @@ class Channel:
         """Forget ``call``: a reply that still arrives is dropped."""
         self._inflight.pop(call.uid_frame, None)
         self._parked.pop(call.uid_frame, None)
-
-    def call(self, op: Op, payloads: Sequence[Any] = (), resp_type: Any = None,
-             timeout: float | None = None, *, raw: Sequence[bytes] = ()) -> Any:
-        """Send one request and wait for its reply (see :meth:`send`, :meth:`wait`)."""
-        return self.wait(self.send(op, payloads, raw=raw), resp_type, timeout)
 
     def peer_lost(self) -> bool:
         """Whether the connection to the server dropped since the last call.
