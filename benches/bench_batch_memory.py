@@ -28,9 +28,9 @@ from collections.abc import Iterator
 
 import torch
 
+from benches.harness.edits import drop_every_kth
 from lmcache_kv_fast import batch, kvcache
 from lmcache_kv_fast.testing import LMCacheServer, register_vllm_layout
-from lmcache_kv_fast.testing.bench import drop_every_kth
 
 logger = logging.getLogger("bench_batch_memory")
 

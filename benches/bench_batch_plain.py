@@ -13,7 +13,7 @@ Not part of CI. Starts a real SHM server, then rep by rep alternates (rotating t
 * ``fn`` (not by default): the same N calls of the plain edit alone (on the source
   tensor, main thread), for reference;
 * ``rewrite-before`` (with ``--before-batch FILE``): ``rewrite`` of another version of
-  ``batch.py`` (e.g. ``git show <commit>:lmcache_kv_fast/batch.py > /tmp/b.py``), paired;
+  ``batch.py`` (e.g. ``git show <commit>:lmcache_kv_fast/batch/_api.py > /tmp/b.py``), paired;
   ``rewrite-before-alloc`` the same with the ``alloc`` edit (add it to ``--paths``);
 * ``rewrite:NAME`` (with ``--variant NAME:key=value,...``): ``rewrite`` with other keyword
   arguments (JSON values), e.g. ``--variant et2:edit_threads=2`` (``edit=alloc``: the

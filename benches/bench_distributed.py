@@ -36,13 +36,9 @@ from typing import Any
 
 import torch
 
+from benches.harness.edits import drop_every_kth
 from lmcache_kv_fast import KVLayout, batch, connect
 from lmcache_kv_fast.testing import LMCacheServer
-
-try:
-    from lmcache_kv_fast.testing.bench import drop_every_kth
-except ImportError:  # before testing/benchmark.py was split into testing/bench/
-    from lmcache_kv_fast.testing.benchmark import drop_every_kth
 
 logger = logging.getLogger("bench_distributed")
 MODEL = "bench-distributed"

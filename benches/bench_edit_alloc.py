@@ -9,7 +9,7 @@ interpreter (glibc settings cannot be undone reliably):
 * ``plain``: glibc defaults (outputs above 32 MiB are mapped afresh and unmapped on free);
 * ``mallopt``: ``M_MMAP_THRESHOLD`` 1 GiB + ``M_TRIM_THRESHOLD`` 2 GiB (keep freed blocks);
 * ``mallopt-nommap``: ``M_MMAP_MAX`` 0 + ``M_TRIM_THRESHOLD`` 2 GiB;
-* ``pooled``: :class:`lmcache_kv_fast.edit_policy.PooledOutputs` (warm result pool);
+* ``pooled``: :class:`lmcache_kv_fast.batch._policy.PooledOutputs` (warm result pool);
 
 each on the main thread and on a fresh worker thread, with ``--threads`` torch intra-op
 threads (the OpenMP count of the calling thread), and optionally ``--busy N`` threads
@@ -65,8 +65,8 @@ def child(variant: str, where: str, threads: int, busy: int, calls: int, layers:
     toks = list(range(tokens))
     mode = None
     if variant == "pooled":
+        from lmcache_kv_fast.batch._policy import PooledOutputs
         from lmcache_kv_fast.copy.select import backend
-        from lmcache_kv_fast.edit_policy import PooledOutputs
 
         mode = PooledOutputs(backend().alloc_result)
 
@@ -88,7 +88,7 @@ def child(variant: str, where: str, threads: int, busy: int, calls: int, layers:
     out: dict[str, Any] = {}
 
     def run() -> None:
-        from lmcache_kv_fast.edit_policy import set_thread_intraop_threads
+        from lmcache_kv_fast.batch._policy import set_thread_intraop_threads
 
         set_thread_intraop_threads(threads)
         ms, faults = [], []

@@ -32,8 +32,8 @@ from collections.abc import Iterator
 import lmcache_kv_fast as lkf
 from lmcache_kv_fast import edits
 from lmcache_kv_fast.testing import LMCacheServer
-from lmcache_kv_fast.testing.engine import OfflineEngine, engine_lmcache_server
-from lmcache_kv_fast.testing.tiny_model import ensure_tiny_model
+from testbed.engine import OfflineEngine, engine_lmcache_server
+from testbed.tiny_model import ensure_tiny_model
 
 logger = logging.getLogger("engine_token_dropping")
 

@@ -6,7 +6,7 @@ data plane. It never imports ``lmcache``.
 
 from __future__ import annotations
 
-from lmcache_kv_fast.context import LMCacheKVCacheContext, OpTiming, StoreResult
+from lmcache_kv_fast.client.context import LMCacheKVCacheContext, OpTiming, StoreResult
 from lmcache_kv_fast.copy.select import backend_name as _backend_name
 from lmcache_kv_fast.errors import (
     ConnectionLostError,

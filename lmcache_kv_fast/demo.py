@@ -14,7 +14,7 @@ from collections.abc import Callable, Sequence
 import torch
 
 from lmcache_kv_fast import batch
-from lmcache_kv_fast.context import LMCacheKVCacheContext
+from lmcache_kv_fast.client.context import LMCacheKVCacheContext
 
 logger = logging.getLogger(__name__)
 

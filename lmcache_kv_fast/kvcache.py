@@ -18,7 +18,7 @@ from typing import Any
 
 import torch
 
-from lmcache_kv_fast.context import LMCacheKVCacheContext, StoreResult
+from lmcache_kv_fast.client.context import LMCacheKVCacheContext, StoreResult
 from lmcache_kv_fast.errors import KVCacheSDKError
 from lmcache_kv_fast.layout import KVLayout
 

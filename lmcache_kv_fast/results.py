@@ -36,7 +36,7 @@ class StoreResult:
 class OpTiming:
     """Where the time of one ``store`` / ``retrieve`` / ``lookup`` call went.
 
-    Read it with :attr:`~lmcache_kv_fast.context.LMCacheKVCacheContext.last_timing` right
+    Read it with :attr:`~lmcache_kv_fast.client.context.LMCacheKVCacheContext.last_timing` right
     after the call (per thread). Costs a few ``perf_counter`` reads per call.
 
     Attributes:

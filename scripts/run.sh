@@ -12,6 +12,8 @@
 # Further arguments go to the benchmark (lmcache-kv-fast bench --quick ...).
 set -euo pipefail
 cd "$(dirname "$0")/.."
+# benches/ and testbed/ (the checkout's, not the wheel's) import from the checkout root
+export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 engine=1
 if [ "${1:-}" = "--no-engine" ]; then
   engine=0

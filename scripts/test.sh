@@ -4,6 +4,8 @@
 # core integration tests a third time against an LMCache 0.5.7rc2 server (docs/testing.md).
 set -euo pipefail
 cd "$(dirname "$0")/.."
+# benches/ and testbed/ (the checkout's, not the wheel's) import from the checkout root
+export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 ./scripts/setup.sh
 ./scripts/engine-venv.sh  # vLLM CPU engine venv for tests/engine (cached after the first run)
 # 0.5.7rc2 server venv (.venv-compat/0.5.7rc2; ~1 min the first time, cached afterwards):
@@ -11,7 +13,7 @@ cd "$(dirname "$0")/.."
 ./scripts/compat-venvs.sh 0.5.7rc2
 export LMCACHE_TRACK_USAGE=false DO_NOT_TRACK=1 LMCACHE_DISABLE_BANNER=1
 PYTEST=".venv/bin/python -m pytest"
-echo "[test] ruff"; .venv/bin/ruff check lmcache_kv_fast tests benches examples
+echo "[test] ruff"; .venv/bin/ruff check lmcache_kv_fast tests benches examples testbed
 echo "[test] native backend"
 $PYTEST -q -m "not compat" -p no:cacheprovider "$@"
 echo "[test] torch backend (the core integration tests again, forced fallback backend)"

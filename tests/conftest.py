@@ -42,7 +42,7 @@ from engine_fixtures import (  # noqa: F401 - fixtures shared by tests/engine an
 
 from lmcache_kv_fast.protocol.ops import parse_version
 from lmcache_kv_fast.testing import LMCacheServer, register_vllm_layout
-from lmcache_kv_fast.testing.compat import suite_server_kwargs, suite_server_version
+from testbed.compat import suite_server_kwargs, suite_server_version
 
 _MODEL_COUNTER = itertools.count()
 EXAMPLES = Path(__file__).resolve().parents[1] / "examples"

@@ -20,10 +20,10 @@ from typing import Any
 import pytest
 
 from lmcache_kv_fast.testing import LMCacheServer
-from lmcache_kv_fast.testing.engine import OfflineEngine, OpenAIEngine, engine_lmcache_server
 from lmcache_kv_fast.testing.logtail import log_errors, log_tail
-from lmcache_kv_fast.testing.oracle import TransformersOracle
-from lmcache_kv_fast.testing.tiny_model import ensure_tiny_model
+from testbed.engine import OfflineEngine, OpenAIEngine, engine_lmcache_server
+from testbed.oracle import TransformersOracle
+from testbed.tiny_model import ensure_tiny_model
 
 BLOCK = 128  # vLLM block size of every engine here
 CHUNK = 256  # LMCache chunk size of the engine server

@@ -55,7 +55,7 @@ class LmcDrivenWriter:
 
     def _start_child(self, nb: int) -> None:
         """Register through the server version's own lmcache, in a child of its venv."""
-        from lmcache_kv_fast.testing.compat import TheirSDK
+        from testbed.compat import TheirSDK
 
         self._workdir = Path(tempfile.mkdtemp(prefix="lmckvf-lmc-writer-"))
         self.child = TheirSDK(self.server.version, self.server.url, self.server.http_url,

@@ -11,5 +11,5 @@
 * ``lookup.py``, ``retrieve.py``, ``store.py``: the operations' wire flows.
 * ``read_hints.py``: the retrieve's speculative gather from where a prefix lay last time.
 
-The public face is :class:`lmcache_kv_fast.context.LMCacheKVCacheContext`.
+The public face is :class:`lmcache_kv_fast.client.context.LMCacheKVCacheContext`.
 """

@@ -312,6 +312,13 @@ def reserve_results(nbytes: int, count: int) -> int:
     return int(_native.result_pool_reserve(int(nbytes), int(count)))
 
 
+def release_results() -> int:
+    """Unmap the idle buffers of the result pool; return the bytes they held."""
+    pooled = int(_native.result_pool_stats()["pooled_bytes"])
+    _native.result_pool_trim()
+    return pooled
+
+
 def set_threads(n: int) -> None:
     """Set the number of copy threads (including the calling thread).
 

@@ -181,6 +181,11 @@ def reserve_results(nbytes: int, count: int) -> int:
     return 0
 
 
+def release_results() -> int:
+    """Nothing is pooled: 0 bytes released."""
+    return 0
+
+
 def set_threads(n: int) -> None:
     """Check ``n`` like the native backend does; otherwise a no-op (torch's own threads).
 

@@ -1,14 +1,13 @@
 """A long-lived pipelined item engine over one context (one per actor / Ray Data worker).
 
-This is the **only** module of :mod:`lmcache_kv_fast.distributed` that touches batch
-internals (``ItemResult``, ``account_store``, ``item_failed``, ``nbytes``). Rewrite items
-run on the engine under ``batch.rewrite`` itself
-(:class:`~lmcache_kv_fast.rewrite_engine.RewriteEngine`, opened once and fed item by item
-with :meth:`~lmcache_kv_fast.rewrite_engine.RewriteEngine.submit`: I/O threads, the edit
+Rewrite items run on the engine under ``batch.rewrite`` itself
+(:class:`~lmcache_kv_fast.batch.RewriteEngine`, opened once and fed item by item
+with :meth:`~lmcache_kv_fast.batch.RewriteEngine.submit`: I/O threads, the edit
 thread with pooled outputs, warm buffers across calls), with this module's store step
 (verification, hashes); store and retrieve items run the flow of ``store_many`` /
-``retrieve_many`` (same calls, same accounting) on a small thread pool. Items arrive over
-time from several callers (Ray calls) instead of from one iterable.
+``retrieve_many`` (same calls, the same :class:`~lmcache_kv_fast.batch.ItemResult`
+accounting) on a small thread pool. Items arrive over time from several callers (Ray
+calls) instead of from one iterable.
 
 On top of batch's per-item flow it adds what a fleet needs:
 
@@ -34,14 +33,10 @@ from typing import Any
 
 import torch
 
-from lmcache_kv_fast.batch import DEFAULT_MAX_IN_FLIGHT
-from lmcache_kv_fast.batch_core import ItemResult as _ItemResult
-from lmcache_kv_fast.batch_core import account_store as _account_store
-from lmcache_kv_fast.batch_core import item_failed as _fail
-from lmcache_kv_fast.batch_core import nbytes as _nbytes
-from lmcache_kv_fast.context import LMCacheKVCacheContext, normalize_tokens
+from lmcache_kv_fast.batch import DEFAULT_MAX_IN_FLIGHT, ItemResult, RewriteEngine
+from lmcache_kv_fast.client.context import LMCacheKVCacheContext
 from lmcache_kv_fast.errors import InvalidArgumentError, KVCacheSDKError
-from lmcache_kv_fast.rewrite_engine import RewriteEngine
+from lmcache_kv_fast.validation import normalize_tokens
 
 logger = logging.getLogger(__name__)
 
@@ -78,7 +73,7 @@ class Outcome:
     value: Any = None
 
 
-def _outcome(res: _ItemResult, refused: int = 0) -> Outcome:
+def _outcome(res: ItemResult, refused: int = 0) -> Outcome:
     return Outcome(res.index, res.status, res.stage, res.reason, res.tokens, res.nbytes,
                    dict(res.stages), refused)
 
@@ -91,7 +86,7 @@ class ItemEngine:
     """Runs rewrite / store / retrieve items on one context, pipelined, from any thread.
 
     At most ``max_in_flight`` items are alive at once (``submit`` blocks beyond that).
-    Rewrite items run on a :class:`~lmcache_kv_fast.rewrite_engine.RewriteEngine` (the
+    Rewrite items run on a :class:`~lmcache_kv_fast.batch.RewriteEngine` (the
     engine of ``batch.rewrite``: ``workers`` I/O threads, default ``min(max_in_flight, 2)``,
     and one edit thread); store / retrieve items on ``workers`` threads (default
     ``min(max_in_flight, 4)``).
@@ -184,15 +179,15 @@ class ItemEngine:
     def _submit_rewrite(self, index: int, toks: Any, fn: Callable[..., Any], salt: str,
                         verify: bool, want_hashes: bool) -> cf.Future[Outcome]:
         """One rewrite item on the rewrite engine, with this module's store step."""
-        def store(res: _ItemResult, kv: torch.Tensor, new_toks: Any, s: str) -> Outcome:
+        def store(res: ItemResult, kv: torch.Tensor, new_toks: Any, s: str) -> Outcome:
             return self._store_checked(res, kv, new_toks, s, verify, want_hashes)
 
         out: cf.Future[Outcome] = cf.Future()
 
-        def done(f: cf.Future[_ItemResult]) -> None:
+        def done(f: cf.Future[ItemResult]) -> None:
             err = f.exception()
             if err is not None:  # an interrupt raised by fn fails this item only
-                out.set_result(_outcome(_fail(_ItemResult(index), "fn", err)))
+                out.set_result(_outcome(ItemResult(index).fail("fn", err)))
                 return
             res = f.result()
             if res.status in ("not_attempted", "cancelled"):  # the fleet knows ok/missed/failed
@@ -210,33 +205,33 @@ class ItemEngine:
             return self._retrieve(index, payload, salt)
         except Exception as err:  # never let one item take the caller down
             logger.exception("item %d (%s) failed unexpectedly", index, op)
-            return _outcome(_fail(_ItemResult(index), op, err))
+            return _outcome(ItemResult(index).fail(op, err))
 
     def _retrieve(self, index: int, toks: Any, salt: str) -> Outcome:
-        res = _ItemResult(index)
+        res = ItemResult(index)
         t = time.perf_counter()
         try:
             kv = self.ctx.retrieve(toks, salt)
         except Exception as err:
-            return _outcome(_fail(res, "retrieve", err))
+            return _outcome(res.fail("retrieve", err))
         res.stages["retrieve"] = time.perf_counter() - t
         if kv is None:
             res.status, res.stage, res.reason = "missed", "retrieve", "nothing cached"
         else:
-            res.tokens, res.nbytes = kv.shape[-2], _nbytes(kv)
+            res.tokens, res.nbytes = kv.shape[-2], kv.numel() * kv.element_size()
         out = _outcome(res)
         out.value = kv
         return out
 
     def _store(self, index: int, item: Any, salt: str, verify: bool, want_hashes: bool) -> Outcome:
-        res = _ItemResult(index)
+        res = ItemResult(index)
         try:
             kv, toks = item
         except (TypeError, ValueError) as err:
-            return _outcome(_fail(res, "store", err))
+            return _outcome(res.fail("store", err))
         return self._store_checked(res, kv, toks, salt, verify, want_hashes)
 
-    def _store_checked(self, res: _ItemResult, kv: torch.Tensor, toks: Any, salt: str,
+    def _store_checked(self, res: ItemResult, kv: torch.Tensor, toks: Any, salt: str,
                        verify: bool, want_hashes: bool) -> Outcome:
         """Store (as ``batch`` does); with ``verify``, first compare what is already cached.
 
@@ -251,7 +246,7 @@ class ItemEngine:
             try:
                 verified = self.ctx.lookup(toks, salt)
             except Exception as err:
-                return _outcome(_fail(res, "verify", err))
+                return _outcome(res.fail("verify", err))
             why = self._differs(kv, toks, verified, salt) if verified else ""
             res.stages["verify"] = time.perf_counter() - t
             if why:
@@ -261,9 +256,9 @@ class ItemEngine:
         try:
             r = self.ctx.store_ex(kv, toks, salt)
         except Exception as err:
-            return _outcome(_fail(res, "store", err))
+            return _outcome(res.fail("store", err))
         res.stages["store"] = time.perf_counter() - t
-        _account_store(res, kv, r)
+        res.add_store(kv, r)
         out = _outcome(res, refused=r.chunks_refused)
         cached_toks = r.chunks_already_cached * self.ctx.chunk_size
         if verify and r.tokens_stored and cached_toks > verified:

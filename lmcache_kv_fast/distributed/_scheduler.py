@@ -23,12 +23,12 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from lmcache_kv_fast.batch import BatchReport
-from lmcache_kv_fast.context import check_salt, normalize_tokens
 from lmcache_kv_fast.distributed._common import Slot, first_line, server_answers
 from lmcache_kv_fast.distributed.actor import kv_from_wire, kv_to_wire
 from lmcache_kv_fast.distributed.report import FleetProgress, FleetReport
 from lmcache_kv_fast.distributed.routing import NEEDS_LOOKUP, Router, pick_server, placement
 from lmcache_kv_fast.errors import InvalidArgumentError, KVCacheSDKError
+from lmcache_kv_fast.validation import check_salt, normalize_tokens
 
 logger = logging.getLogger(__name__)
 

@@ -29,12 +29,12 @@ from collections.abc import Callable
 from typing import Any
 
 from lmcache_kv_fast.batch import DEFAULT_MAX_IN_FLIGHT
-from lmcache_kv_fast.context import normalize_tokens
 from lmcache_kv_fast.distributed._engine import ItemEngine, Outcome
 from lmcache_kv_fast.distributed.routing import NEEDS_LOOKUP, Router, pick_server
 from lmcache_kv_fast.distributed.servers import as_servers
 from lmcache_kv_fast.errors import InvalidArgumentError, KVCacheSDKError
 from lmcache_kv_fast.kvcache import connect
+from lmcache_kv_fast.validation import normalize_tokens
 
 logger = logging.getLogger(__name__)
 

@@ -4,9 +4,9 @@ The server records no ``stored`` event for engine-driven (SDK) stores (docs/prot
 #21). :func:`announce_store` turns a store of this SDK into ``stored``
 :class:`~lmcache_kv_fast.protocol.types.KVEventRecord` objects whose block hashes are
 computed exactly like the server's (blake3 chain, :mod:`lmcache_kv_fast.hashing`) and hands
-them to the in-process listeners registered with :func:`add_listener`. The context calls
-:func:`has_listeners` / :func:`announce_store` through ``sys.modules`` after each store, so
-nothing is hashed unless this module was imported and somebody listens.
+them to the in-process listeners registered with :func:`add_listener`. Importing this module
+registers a store hook (:mod:`lmcache_kv_fast.client.store_hooks`) that announces a store
+when somebody listens for its model, so nothing is hashed otherwise.
 """
 
 from __future__ import annotations
@@ -17,6 +17,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from lmcache_kv_fast.client.store_hooks import add_store_hook
 from lmcache_kv_fast.errors import InvalidArgumentError, InvalidTypeError, KVCacheSDKError
 from lmcache_kv_fast.events.common import _PROBE_TIMEOUT_S, KIND_STORED, LOCAL_SEQ, MEDIUM_CPU
 from lmcache_kv_fast.hashing import HASH_ALGORITHM, blake3_available, chunk_hashes, require_blake3
@@ -192,3 +193,12 @@ def announce_store(ctx: Any, tokens: Sequence[int] | Any, cache_salt: str = "",
         except Exception:  # a broken listener must not break a store
             logger.exception("KV event listener %r failed", fn)
     return list(records)
+
+
+def _announce_if_listening(ctx: Any, tokens: Sequence[int], cache_salt: str, chunks: int) -> None:
+    """The store hook: announce the store when somebody listens for its model."""
+    if has_listeners(ctx.model_name):
+        announce_store(ctx, tokens, cache_salt, chunks)
+
+
+add_store_hook(_announce_if_listening)

@@ -1,6 +1,6 @@
 """The server a KV-event subscription talks to: :class:`EventsEndpoint` and target helpers.
 
-A subscription's target is an :class:`~lmcache_kv_fast.context.LMCacheKVCacheContext` or
+A subscription's target is an :class:`~lmcache_kv_fast.client.context.LMCacheKVCacheContext` or
 an :class:`EventsEndpoint` (a server probed over HTTP without registering a KV layout).
 The helpers here validate endpoint arguments and read what the stream needs of the target
 (closed or not, the server's reaper timeout and the ping interval it implies, docs/protocol.md §3.11).
@@ -28,7 +28,7 @@ from lmcache_kv_fast.transport.urls import parse_control_url, parse_http_url
 class EventsEndpoint:
     """What a subscription needs of a server, without a registered KV layout.
 
-    :class:`~lmcache_kv_fast.context.LMCacheKVCacheContext` provides the same attributes;
+    :class:`~lmcache_kv_fast.client.context.LMCacheKVCacheContext` provides the same attributes;
     use this for a process that only watches events (``lmcache-kv-fast events``).
 
     Attributes:

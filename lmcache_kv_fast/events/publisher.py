@@ -192,7 +192,7 @@ class KVEventPublisher:
     background thread); :meth:`stop` closes everything. A context manager starts/stops it.
 
     Args:
-        source: An :class:`~lmcache_kv_fast.context.LMCacheKVCacheContext`, an
+        source: An :class:`~lmcache_kv_fast.client.context.LMCacheKVCacheContext`, an
             :class:`EventsEndpoint`, or a ZMQ URL (then ``http_url`` and ``model_name``
             are required).
         http_url: HTTP URL of the server when ``source`` is a URL.

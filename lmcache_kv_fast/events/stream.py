@@ -72,7 +72,7 @@ def subscribe(ctx: Any, *, cursor: int = 0, max_events: int = MAX_EVENTS_PER_BAT
     """Subscribe to the server's KV events of ``ctx.model_name``.
 
     Args:
-        ctx: An :class:`~lmcache_kv_fast.context.LMCacheKVCacheContext` or an
+        ctx: An :class:`~lmcache_kv_fast.client.context.LMCacheKVCacheContext` or an
             :class:`EventsEndpoint` (anything with ``url``, ``http_url``, ``model_name``,
             ``generation``; ``closed`` and ``timeout`` are honoured when present).
         cursor: Last server ``seq`` already processed; 0 replays the retained log from the

@@ -3,7 +3,7 @@
 :class:`LMCacheBatchedStream` runs its streams' engine passes concurrently
 (:meth:`~LMCacheBatchedStream.prefill`, :meth:`~LMCacheBatchedStream.decode`) and edits
 their caches in a bounded pipeline (:meth:`~LMCacheBatchedStream.modify`, see
-:mod:`lmcache_kv_fast.sdk.modify`); each phase returns a :class:`Metrics` report
+:mod:`lmcache_kv_fast.sdk._modify`); each phase returns a :class:`Metrics` report
 (``.emit()`` prints the terminal table, ``.to_dict()`` gives the data), as in 0.5.6.
 
 Differences from 0.5.6 (docs/sdk.md):
@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import concurrent.futures as cf
 import logging
+import sys
 import time
 from collections.abc import Mapping, Sequence
 from typing import Any
@@ -39,11 +40,11 @@ from lmcache_kv_fast.errors import (
     KVCacheSDKError,
     ServerUnavailableError,
 )
+from lmcache_kv_fast.progress import Progress
+from lmcache_kv_fast.sdk._modify import ModifyOutcome, default_max_in_flight, modify_streams
+from lmcache_kv_fast.sdk._prepare import ModifyPreparation
 from lmcache_kv_fast.sdk.context import ModifyFnType
 from lmcache_kv_fast.sdk.metrics import Metrics, StreamHandler, get_formatter
-from lmcache_kv_fast.sdk.modify import ModifyOutcome, default_max_in_flight, modify_streams
-from lmcache_kv_fast.sdk.prepare import ModifyPreparation
-from lmcache_kv_fast.sdk.progress import Progress, want_progress
 from lmcache_kv_fast.sdk.request import LMCacheRequestStream, StreamPerfMetrics
 
 logger = logging.getLogger(__name__)
@@ -59,6 +60,15 @@ __all__ = [
 
 #: Engine passes of a batch run at once, by default (0.5.6: one thread per stream).
 DEFAULT_MAX_CONCURRENCY = 64
+#: ``progress=None`` shows a bar from this many streams on (on a terminal).
+AUTO_MIN_STREAMS = 8
+
+
+def _want_progress(progress: bool | None, n: int) -> bool:
+    """Whether to show progress for ``n`` streams (``None``: a terminal and enough streams)."""
+    if progress is None:
+        return n >= AUTO_MIN_STREAMS and bool(getattr(sys.stderr, "isatty", lambda: False)())
+    return bool(progress)
 
 
 class LMCacheBatchedStreamError(KVCacheSDKError):
@@ -120,7 +130,7 @@ class LMCacheBatchedStream:
         progress: Progress bar on long phases (None: on a terminal, from 8 streams).
         prepare_modify: During :meth:`prefill`, map and fault the result buffers the
             next modify will use, on a background thread joined before the prefill
-            returns (``sdk/prepare.py``; the memory the modify would take anyway).
+            returns (``sdk/_prepare.py``; the memory the modify would take anyway).
 
     Attributes:
         request_streams: The member streams by id.
@@ -212,7 +222,7 @@ class LMCacheBatchedStream:
             return 0.0, {}
         errors: dict[str, str] = {}
         workers = min(len(run), self.max_concurrency or DEFAULT_MAX_CONCURRENCY)
-        bar = Progress(len(run), desc, want_progress(self.progress, len(run)))
+        bar = Progress(len(run), desc, _want_progress(self.progress, len(run)), unit="stream")
         t0 = time.perf_counter()
         prep = None
         if desc == "prefill" and self.prepare_modify:
@@ -356,7 +366,7 @@ class LMCacheBatchedStream:
         streams = [self.request_streams[s] for s in ids]
         out = modify_streams(streams, fn, timeout=timeout, poll_interval=poll_interval,
                              max_in_flight=self.max_in_flight,
-                             progress=want_progress(self.progress, len(streams)))
+                             progress=_want_progress(self.progress, len(streams)))
         self.last_modify = out
         return out
 

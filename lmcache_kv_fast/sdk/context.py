@@ -3,7 +3,7 @@
 :class:`LMCacheSDKContext` has the members of upstream's ``lmcache.sdk.context``
 that programs use (``kind``, ``chunk_size``, ``mq_timeout``, ``instance_id``,
 ``register_caches()``, ``retrieve``, ``store``, ``close``) over this project's context
-(:class:`~lmcache_kv_fast.context.LMCacheKVCacheContext`, reachable as
+(:class:`~lmcache_kv_fast.client.context.LMCacheKVCacheContext`, reachable as
 ``ctx.kv_context``), which does the work: SHM or pickle data plane, liveness pings,
 integrity checks.
 
@@ -17,7 +17,7 @@ Differences from 0.5.6, on purpose:
   :func:`~lmcache_kv_fast.sdk.kvcache.connect` calls); ``register_caches()`` is kept and
   does nothing on a registered context, so code written either way works;
 * query geometry comes from the query registration (``/status`` ``q_context_meta``), not
-  from the KV registration (see :mod:`lmcache_kv_fast.sdk.qlayout`);
+  from the KV registration (see :mod:`lmcache_kv_fast.sdk._qlayout`);
 * ``store`` refuses a tensor of another dtype than the model's instead of casting it
   silently; ``close()`` unregisters (0.5.6 leaves that to the server's reaper).
 """
@@ -31,8 +31,8 @@ from typing import Any
 
 import torch
 
+from lmcache_kv_fast.client.context import LMCacheKVCacheContext
 from lmcache_kv_fast.client.handshake import CONNECT_PROBE_TIMEOUT_S
-from lmcache_kv_fast.context import LMCacheKVCacheContext
 from lmcache_kv_fast.errors import (
     ContextClosedError,
     InvalidArgumentError,
@@ -42,9 +42,9 @@ from lmcache_kv_fast.errors import (
 from lmcache_kv_fast.layout import KVLayout
 from lmcache_kv_fast.protocol.mp_config import live_chunk_size, mp_chunk_size
 from lmcache_kv_fast.results import StoreResult
+from lmcache_kv_fast.sdk._qlayout import query_layout
+from lmcache_kv_fast.sdk._urls import normalize_request_url
 from lmcache_kv_fast.sdk.cache_kind import LMCacheSDKCacheKind
-from lmcache_kv_fast.sdk.qlayout import query_layout
-from lmcache_kv_fast.sdk.urls import normalize_request_url
 from lmcache_kv_fast.transport.http import HttpInfoClient
 from lmcache_kv_fast.validation import check_connect_args
 

@@ -33,9 +33,9 @@ from typing import Any, Protocol
 import torch
 
 from lmcache_kv_fast.errors import InvalidArgumentError, InvalidTypeError, KVCacheSDKError
+from lmcache_kv_fast.sdk._wait import WaitResult, wait_for_prefix
 from lmcache_kv_fast.sdk.cache_kind import LMCacheSDKCacheKind
 from lmcache_kv_fast.sdk.context import LMCacheSDKContext, ModifyFnType
-from lmcache_kv_fast.sdk.wait import WaitResult, wait_for_prefix
 from lmcache_kv_fast.validation import normalize_tokens
 
 logger = logging.getLogger(__name__)

@@ -31,7 +31,8 @@ import torch
 import lmcache_kv_fast.kvcache as lmc_sdk
 from lmcache_kv_fast.protocol.ops import Op, generation_for
 from lmcache_kv_fast.testing import LMCacheServer
-from lmcache_kv_fast.testing.compat import (
+from lmcache_kv_fast.transport import open_control
+from testbed.compat import (
     ALL_VERSIONS,
     DEFAULT_VERSIONS,
     TheirSDK,
@@ -39,7 +40,6 @@ from lmcache_kv_fast.testing.compat import (
     missing_venv_hint,
     venv_python,
 )
-from lmcache_kv_fast.transport import open_control
 
 C = 256  # --chunk-size of every server here
 L, NH, HS = 4, 8, 64  # registered geometry: D = NH * HS = 512, bf16

@@ -101,7 +101,7 @@ def test_rewrite_items_run_on_batch_rewrites_engine(setup):
     (its edit thread, its alloc pool for an fn that takes alloc), fed item by item."""
     import threading
 
-    from lmcache_kv_fast.rewrite_engine import RewriteEngine
+    from lmcache_kv_fast.batch import RewriteEngine
 
     m, ctx, eng = setup
     assert isinstance(eng._rw, RewriteEngine)

@@ -18,7 +18,7 @@ import pytest
 import lmcache_kv_fast as lkf
 from lmcache_kv_fast.layout import CpuEngineKV, KVLayout
 from lmcache_kv_fast.testing import LMCacheServer
-from lmcache_kv_fast.testing.engine import OfflineEngine
+from testbed.engine import OfflineEngine
 
 from .common import BLOCK, ENGINE_TEST_TIMEOUT
 

@@ -149,7 +149,7 @@ def test_engine_runs_the_test_servers_lmcache(engine_server, offline_engine):
     ``LMCACHE_KV_FAST_TEST_SERVER``'s (the suite's 0.5.7rc2 engine pass)."""
     import subprocess
 
-    from lmcache_kv_fast.testing.engine_proc import child_env, engine_python, server_version
+    from testbed.engine_proc import child_env, engine_python, server_version
 
     want = server_version() or "0.5.6"
     probe = ("import importlib.metadata as m, lmcache, pathlib; "

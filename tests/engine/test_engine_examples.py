@@ -28,8 +28,8 @@ def test_engine_token_dropping_example(caplog, engine_server, offline_engine):
 
 def test_bench_engine_quick(tmp_path, capsys, engine_server, offline_engine, model_name):
     """W5 (``bench --engine --quick``) on the shared engine: every path right, the table out."""
-    from lmcache_kv_fast.testing.bench.cli import build_parser
-    from lmcache_kv_fast.testing.bench.engine_loop import run_w5
+    from benches.harness.cli import build_parser
+    from benches.harness.engine_loop import run_w5
 
     def registered() -> set[str]:
         return {k for k, e in engine_server.status()["non_cuda_context_meta"].items()

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from lmcache_kv_fast.layout import CpuEngineKV, raw_rows_from_paged_blocks, resolve_engine_layout
-from lmcache_kv_fast.testing.engine import OpenAIEngine
+from testbed.engine import OpenAIEngine
 
 from .common import BLOCK, CHUNK, tokens, unregister_engine_driven
 
@@ -259,7 +259,7 @@ def test_upstream_sdk_reads_the_edit_bit_exact(engine_server, model_name, droppe
 
 # ---------------------------------------------------------------------- the driver itself
 def test_driver_reports_errors_and_keeps_serving(offline_engine):
-    from lmcache_kv_fast.testing.engine_proc import EngineChildError
+    from testbed.engine_proc import EngineChildError
 
     with pytest.raises(EngineChildError, match="unknown op 'nope'"):
         offline_engine._child.call("nope")

@@ -21,9 +21,9 @@ from lmcache_kv_fast.errors import AuthenticationError, InvalidArgumentError
 from lmcache_kv_fast.events import EventsEndpoint
 from lmcache_kv_fast.layout import KVLayout
 from lmcache_kv_fast.testing import LMCacheServer
-from lmcache_kv_fast.testing.compat import missing_venv_hint, venv_python
 from lmcache_kv_fast.transport.api_key import resolve_api_key
 from lmcache_kv_fast.transport.http import HttpInfoClient
+from testbed.compat import missing_venv_hint, venv_python
 
 VERSION = "0.5.7rc2"
 KEY = "kvf-test-key-7f3a9c1e5b"

@@ -63,19 +63,22 @@ def test_retrieve_many_progress(small, monkeypatch):
     assert batch.store_many(ctx, seqs).ok == 4
     bars = []
 
-    class Recording(batch._Progress):
-        def __init__(self, total, desc, enabled):
+    from lmcache_kv_fast.batch import _api
+    from lmcache_kv_fast.progress import Progress
+
+    class Recording(Progress):
+        def __init__(self, total, desc, enabled, unit="seq"):
             super().__init__(total, desc, False)
             self.args, self.updates, self.closed = (total, desc, enabled), 0, False
             bars.append(self)
 
-        def update(self):
-            self.updates += 1
+        def update(self, k=1):
+            self.updates += k
 
         def close(self):
             self.closed = True
 
-    monkeypatch.setattr(batch, "_Progress", Recording)
+    monkeypatch.setattr(_api, "Progress", Recording)
     got = list(batch.retrieve_many(ctx, [t for _, t in seqs], progress=True))
     assert all(torch.equal(kv, seqs[i][0]) for i, kv in got)
     assert len(bars) == 1 and bars[0].args == (4, "retrieve_many", True)

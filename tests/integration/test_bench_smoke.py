@@ -32,28 +32,30 @@ pytestmark = [
 def test_w3_edit_matches_demo(tokens: int) -> None:
     import torch
 
+    from benches.harness import cli, edits, helpers, names, report, sizes, stats  # noqa: F401
+    from benches.harness import targets as bt  # noqa: F401
     from lmcache_kv_fast.demo import drop_every_kth
-    from lmcache_kv_fast.testing import bench
 
     kv = torch.randn(2, 3, tokens, 8).to(torch.bfloat16)
     toks = list(range(100, 100 + tokens))
     want_kv, want_toks = drop_every_kth(kv, toks, 10)
-    for fn in (bench.drop_every_kth, bench.drop_every_kth_index_select,
-               bench.drop_every_kth_plain):
+    for fn in (edits.drop_every_kth, edits.drop_every_kth_index_select,
+               edits.drop_every_kth_plain):
         got_kv, got_toks = fn(kv, toks, 10)
         assert torch.equal(got_kv, want_kv) and got_toks == want_toks
         assert got_kv.is_contiguous()
     # W3P's edit is the issue's plain function: two arguments, no alloc for rewrite to use
-    from lmcache_kv_fast.rewrite_engine import accepts_alloc
+    from lmcache_kv_fast.batch._workers import accepts_alloc
 
-    assert not accepts_alloc(bench.drop_every_kth_plain)
+    assert not accepts_alloc(edits.drop_every_kth_plain)
 
 
 def test_target_ceiling_from_waits_and_roofline() -> None:
     """The ceiling of a target: the other side's median over (server waits + flat copy)."""
-    from lmcache_kv_fast.testing import bench as b
+    from benches.harness import cli, edits, helpers, names, report, sizes, stats  # noqa: F401
+    from benches.harness import targets as bt
 
-    ours, roof = b.kvf_native(2), b.roofline(2)
+    ours, roof = names.kvf_native(2), names.roofline(2)
 
     def rec(path: str, op: str, xs: list[float], phases: list[dict] | None = None) -> dict:
         return {"path": path, "op": op, "nbytes": 1 << 29, "samples": xs, "reps": [],
@@ -62,16 +64,16 @@ def test_target_ceiling_from_waits_and_roofline() -> None:
     ph = [{"wait_s": 0.005, "copy_s": c, "total_s": 0.04, "alloc_s": 0.0, "client_s": 0.001,
            "rpcs": 2, "chunks": 16} for c in (0.031, 0.032, 0.033)]
     records = {
-        (ours, b.W1_STORE_WARM): rec(ours, b.W1_STORE_WARM, [0.039, 0.040, 0.041], ph),
-        (b.UPSTREAM, b.W1_STORE_WARM): rec(b.UPSTREAM, b.W1_STORE_WARM, [0.06, 0.07, 0.08]),
-        (roof, b.W1_COPY_WARM): rec(roof, b.W1_COPY_WARM, [0.029, 0.030, 0.031]),
-        (ours, b.W1_STORE_COLD): rec(ours, b.W1_STORE_COLD, [0.2], ph),
-        (b.UPSTREAM, b.W1_STORE_COLD): rec(b.UPSTREAM, b.W1_STORE_COLD, [0.25]),
+        (ours, names.W1_STORE_WARM): rec(ours, names.W1_STORE_WARM, [0.039, 0.040, 0.041], ph),
+        (names.UPSTREAM, names.W1_STORE_WARM): rec(names.UPSTREAM, names.W1_STORE_WARM, [0.06, 0.07, 0.08]),
+        (roof, names.W1_COPY_WARM): rec(roof, names.W1_COPY_WARM, [0.029, 0.030, 0.031]),
+        (ours, names.W1_STORE_COLD): rec(ours, names.W1_STORE_COLD, [0.2], ph),
+        (names.UPSTREAM, names.W1_STORE_COLD): rec(names.UPSTREAM, names.W1_STORE_COLD, [0.25]),
     }
     # the copy floor is the faster of the roofline (30 ms) and the call's own copy (32 ms)
-    assert b.floor_s(records, ours, b.W1_STORE_WARM, 2) == pytest.approx(0.035)
-    assert b.floor_s(records, b.UPSTREAM, b.W1_STORE_WARM, 2) is None  # no phases
-    targets = {t.name: t for t in b.compute_targets(b.rows_of(records), records, {}, 2)}
+    assert bt.floor_s(records, ours, names.W1_STORE_WARM, 2) == pytest.approx(0.035)
+    assert bt.floor_s(records, names.UPSTREAM, names.W1_STORE_WARM, 2) is None  # no phases
+    targets = {t.name: t for t in bt.compute_targets(stats.rows_of(records), records, {}, 2)}
     t = targets["W1 store warm vs roofline"]
     assert t.ceiling == pytest.approx(0.030 / 0.035) and t.status == "MISS"
     assert t.reachable is False  # 0.857 < 0.9: out of reach against this "server"
@@ -82,16 +84,16 @@ def test_target_ceiling_from_waits_and_roofline() -> None:
     assert targets["W4 pickle plane store vs upstream"].status == "n/a"
 
     # paired: the roofline copies timed in the store's own reps set its ceiling, like its value
-    store = records[(ours, b.W1_STORE_WARM)]
-    store["during"], store["reps"] = [b.W1_STORE_WARM] * 3, [0, 1, 2]
-    records[(roof, b.W1_COPY_WARM)] = {
-        **rec(roof, b.W1_COPY_WARM, [0.029, 0.030, 0.031, 0.020, 0.020, 0.020]),
-        "during": [b.W1_STORE_WARM] * 3 + [b.W1_RET_WARM] * 3, "reps": [0, 1, 2, 0, 1, 2]}
-    assert b.samples_during(records[(roof, b.W1_COPY_WARM)], b.W1_RET_WARM) == [0.02] * 3
-    assert b.samples_during(records[(roof, b.W1_COPY_WARM)], "W9") == \
-        records[(roof, b.W1_COPY_WARM)]["samples"]
-    assert b.floor_s(records, ours, b.W1_STORE_WARM, 2) == pytest.approx(0.035)
-    targets = {t.name: t for t in b.compute_targets(b.rows_of(records), records, {}, 2)}
+    store = records[(ours, names.W1_STORE_WARM)]
+    store["during"], store["reps"] = [names.W1_STORE_WARM] * 3, [0, 1, 2]
+    records[(roof, names.W1_COPY_WARM)] = {
+        **rec(roof, names.W1_COPY_WARM, [0.029, 0.030, 0.031, 0.020, 0.020, 0.020]),
+        "during": [names.W1_STORE_WARM] * 3 + [names.W1_RET_WARM] * 3, "reps": [0, 1, 2, 0, 1, 2]}
+    assert bt.samples_during(records[(roof, names.W1_COPY_WARM)], names.W1_RET_WARM) == [0.02] * 3
+    assert bt.samples_during(records[(roof, names.W1_COPY_WARM)], "W9") == \
+        records[(roof, names.W1_COPY_WARM)]["samples"]
+    assert bt.floor_s(records, ours, names.W1_STORE_WARM, 2) == pytest.approx(0.035)
+    targets = {t.name: t for t in bt.compute_targets(stats.rows_of(records), records, {}, 2)}
     t = targets["W1 store warm vs roofline"]
     assert t.value == pytest.approx(0.030 / 0.040) and t.detail.endswith("paired")
     assert t.ceiling == pytest.approx(0.030 / 0.035)  # not the all-ops median 0.0245
@@ -99,31 +101,32 @@ def test_target_ceiling_from_waits_and_roofline() -> None:
 
 def test_phase_split_of_waits_by_ping() -> None:
     """waits = rpcs x the op's median ping (per server) + the server's own share."""
-    from lmcache_kv_fast.testing import bench as b
+    from benches.harness import cli, edits, helpers, names, report, sizes, stats  # noqa: F401
+    from benches.harness import targets as bt  # noqa: F401
 
-    ours, roof = b.kvf_native(2), b.roofline(2)
+    ours, roof = names.kvf_native(2), names.roofline(2)
     ph = [{"wait_s": w, "copy_s": 0.02, "total_s": 0.03, "alloc_s": 0.0, "client_s": 0.001,
            "rpcs": 3, "chunks": 16} for w in (0.004, 0.005, 0.006)]
     pick = [{**x, "wait_s": 0.0001} for x in ph]
     ph[1]["hinted"] = ph[2]["hinted"] = 8  # the first rep had no hint yet
     ph[2]["rehinted"] = 2
     records = {
-        (ours, b.W1_RET_WARM): {"path": ours, "op": b.W1_RET_WARM, "samples": [0.03] * 3,
+        (ours, names.W1_RET_WARM): {"path": ours, "op": names.W1_RET_WARM, "samples": [0.03] * 3,
                                 "phases": ph},
-        (roof, b.W1_COPY_WARM): {"path": roof, "op": b.W1_COPY_WARM, "samples": [0.02] * 3,
+        (roof, names.W1_COPY_WARM): {"path": roof, "op": names.W1_COPY_WARM, "samples": [0.02] * 3,
                                  "phases": []},
-        (b.KVF_PICKLE, b.W4_RET): {"path": b.KVF_PICKLE, "op": b.W4_RET,
+        (names.KVF_PICKLE, names.W4_RET): {"path": names.KVF_PICKLE, "op": names.W4_RET,
                                    "samples": [0.1] * 3, "phases": pick},
     }
-    infos = [{"worker": "native", "ping_s": {"shm": {b.W1_RET_WARM: [0.0002, 0.0003]},
-                                            "pickle": {b.W4_RET: [0.001]}}},
-             {"worker": "torch", "ping_s": {"shm": {b.W1_RET_WARM: [0.0004]}}},
+    infos = [{"worker": "native", "ping_s": {"shm": {names.W1_RET_WARM: [0.0002, 0.0003]},
+                                            "pickle": {names.W4_RET: [0.001]}}},
+             {"worker": "torch", "ping_s": {"shm": {names.W1_RET_WARM: [0.0004]}}},
              {"worker": "upstream"}]
-    pings = b.merge_pings(infos)
-    assert pings == {"shm": {b.W1_RET_WARM: [0.0002, 0.0003, 0.0004]},
-                     "pickle": {b.W4_RET: [0.001]}}
-    rows = {(r["path"], r["op"]): r for r in b.phase_summary(records, 2, pings)}
-    r = rows[(ours, b.W1_RET_WARM)]
+    pings = report.merge_pings(infos)
+    assert pings == {"shm": {names.W1_RET_WARM: [0.0002, 0.0003, 0.0004]},
+                     "pickle": {names.W4_RET: [0.001]}}
+    rows = {(r["path"], r["op"]): r for r in report.phase_summary(records, 2, pings)}
+    r = rows[(ours, names.W1_RET_WARM)]
     # 3 rpcs, of which 2 in 3 calls' prepare_retrieve replies came during early copies
     assert r["ping_s"] == pytest.approx(0.0003) and r["rtt_s"] == pytest.approx(0.0007)
     assert r["server_s"] == pytest.approx(0.005 - 0.0007)
@@ -131,11 +134,11 @@ def test_phase_split_of_waits_by_ping() -> None:
     assert r["copy_x_roof"] == pytest.approx(1.0)
     assert r["hinted_share"] == pytest.approx(16 / 48)
     buf = io.StringIO()
-    b.print_phases(list(rows.values()), 2, out=buf)
+    report.print_phases(list(rows.values()), 2, out=buf)
     assert " 33%" in buf.getvalue() and "hinted" in buf.getvalue()
-    r = rows[(b.KVF_PICKLE, b.W4_RET)]  # its own server's ping; never negative
+    r = rows[(names.KVF_PICKLE, names.W4_RET)]  # its own server's ping; never negative
     assert r["rtt_s"] == pytest.approx(0.003) and r["server_s"] == 0.0
-    r = b.phase_summary(records, 2)[0]  # no pings: no split
+    r = report.phase_summary(records, 2)[0]  # no pings: no split
     assert r["ping_s"] is None and r["rtt_s"] is None and r["server_s"] is None
 
 
@@ -265,18 +268,19 @@ def test_bench_quick_json(tmp_path: Path) -> None:
 
 def test_reduced_sizes_mark_the_verdicts_indicative() -> None:
     """Only a run at (or above) the issue's sizes gives verdicts; smaller runs say so."""
-    from lmcache_kv_fast.testing import bench as b
+    from benches.harness import cli, edits, helpers, names, report, sizes, stats  # noqa: F401
+    from benches.harness import targets as bt
 
-    assert b.reduced_sizes(b.Sizes()) == []
-    assert b.reduced_sizes(b.Sizes(reps=20, w2_ops=1000)) == []  # more is still the target
-    quick = b.reduced_sizes(b.Sizes(**b.QUICK))
+    assert bt.reduced_sizes(sizes.Sizes()) == []
+    assert bt.reduced_sizes(sizes.Sizes(reps=20, w2_ops=1000)) == []  # more is still the target
+    quick = bt.reduced_sizes(sizes.Sizes(**sizes.QUICK))
     assert "w3_sequences 3 < 16" in quick and "reps 3 < 7" in quick
-    assert b.reduced_sizes(b.Sizes(chunk=128)) == ["chunk 128 != 256"]
+    assert bt.reduced_sizes(sizes.Sizes(chunk=128)) == ["chunk 128 != 256"]
 
-    tg = [b.Target("W1 store warm vs roofline", 0.5, 0.5, ">=", 0.9)]
+    tg = [bt.Target("W1 store warm vs roofline", 0.5, 0.5, ">=", 0.9)]
     full, small = io.StringIO(), io.StringIO()
-    b.print_targets(tg, full)
-    b.print_targets(tg, small, reduced=quick)
+    bt.print_targets(tg, full)
+    bt.print_targets(tg, small, reduced=quick)
     assert "INDICATIVE" not in full.getvalue() and "1 MISS" in full.getvalue()
     assert "INDICATIVE ONLY" in small.getvalue() and "w1_tokens 1024 < 4096" in small.getvalue()
     assert "indicative only (reduced sizes" in small.getvalue().splitlines()[-2]
@@ -321,7 +325,7 @@ def test_bench_store_limits_runs() -> None:
 @pytest.mark.timeout(360)
 @pytest.mark.parametrize("transport", ["zmq", "grpc"])
 def test_bench_against_057_and_its_own_sdk(tmp_path: Path, transport: str) -> None:
-    from lmcache_kv_fast.testing.compat import missing_venv_hint, venv_python
+    from testbed.compat import missing_venv_hint, venv_python
 
     if venv_python("0.5.7rc2") is None:
         pytest.skip(missing_venv_hint("0.5.7rc2"))

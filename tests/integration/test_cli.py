@@ -127,7 +127,7 @@ def test_info_shows_what_connect_resolves_for_an_engine(server_shm, capsys, tmp_
 
 
 def test_bench_engine_flags_are_checked_before_anything_starts():
-    from lmcache_kv_fast.testing.bench import main as bench_main
+    from benches.harness.cli import main as bench_main
 
     with pytest.raises(SystemExit, match="--engine-tokens must be in"):
         bench_main(["--engine", "--engine-tokens", "100"])

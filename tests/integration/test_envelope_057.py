@@ -20,7 +20,7 @@ from lmcache_kv_fast.dataplane.envelope import EnvelopeFrameBuilder, locate_tens
 from lmcache_kv_fast.layout import KVLayout
 from lmcache_kv_fast.protocol.ops import GEN_057
 from lmcache_kv_fast.testing import LMCacheServer
-from lmcache_kv_fast.testing.compat import TheirSDK, compat_server, missing_venv_hint, venv_python
+from testbed.compat import TheirSDK, compat_server, missing_venv_hint, venv_python
 
 VERSION = "0.5.7rc2"
 C = 256

@@ -28,7 +28,7 @@ from lmcache_kv_fast.layout import KVLayout
 from lmcache_kv_fast.protocol.keys import make_key
 from lmcache_kv_fast.protocol.ops import Op
 from lmcache_kv_fast.testing import LMCacheServer
-from lmcache_kv_fast.testing.compat import TheirSDK, compat_server, venv_python
+from testbed.compat import TheirSDK, compat_server, venv_python
 
 pytest.importorskip("grpc")
 

@@ -16,7 +16,7 @@ from conftest import make_model, rand_tokens
 
 import lmcache_kv_fast.kvcache as lmc_sdk
 from lmcache_kv_fast.testing import LMCacheServer
-from lmcache_kv_fast.testing.compat import TheirContext
+from testbed.compat import TheirContext
 
 C = 256
 upstream = pytest.importorskip("lmcache.sdk.kvcache")

@@ -20,7 +20,7 @@ from lmcache_kv_fast.errors import UnsupportedServerError
 from lmcache_kv_fast.layout import KVLayout
 from lmcache_kv_fast.protocol.ops import NEWEST, known_versions
 from lmcache_kv_fast.testing import LMCacheServer
-from lmcache_kv_fast.testing.compat import missing_venv_hint, venv_python
+from testbed.compat import missing_venv_hint, venv_python
 
 LAYOUT = KVLayout(num_layers=2, num_kv_heads=2, head_dim=64, dtype=torch.bfloat16)
 

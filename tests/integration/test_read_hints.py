@@ -174,7 +174,7 @@ def test_hints_shared_by_threads(server_shm):
 
 def test_hints_bounded_lru(server_shm, slow_replies):
     """At most SLOT_HINTS_MAX prefixes are remembered; a prefix read again stays."""
-    from lmcache_kv_fast.context import SLOT_HINTS_MAX
+    from lmcache_kv_fast.client.read_hints import SLOT_HINTS_MAX
 
     with _stored(server_shm, 1, seed=30) as (ctx, toks, kv):
         (key, slots), = _hints(ctx).items()

@@ -11,9 +11,9 @@ from conftest import make_model, rand_tokens
 
 import lmcache_kv_fast.kvcache as lmc_sdk
 from lmcache_kv_fast import batch
+from lmcache_kv_fast.batch import RewriteEngine, run_rewrite
+from lmcache_kv_fast.batch._policy import ENV_POOL_OUTPUTS
 from lmcache_kv_fast.copy.select import backend
-from lmcache_kv_fast.edit_policy import ENV_POOL_OUTPUTS
-from lmcache_kv_fast.rewrite_engine import RewriteEngine, run_rewrite
 
 C = 256
 native = pytest.mark.skipif(backend().NAME != "native", reason="pooled outputs need the native core")

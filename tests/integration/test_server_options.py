@@ -16,7 +16,10 @@ import pytest
 from lmcache_kv_fast.errors import KVCacheSDKError
 from lmcache_kv_fast.protocol.ops import Op
 from lmcache_kv_fast.testing import LMCacheServer
-from lmcache_kv_fast.testing.compat import (
+from lmcache_kv_fast.testing.server import QSTORE_MODULE, zmq_noop
+from lmcache_kv_fast.transport.http import HttpInfoClient
+from lmcache_kv_fast.transport.zmq_client import ZmqClient
+from testbed.compat import (
     MAIN_VERSION,
     TEST_SERVER_ENV,
     compat_server,
@@ -25,10 +28,7 @@ from lmcache_kv_fast.testing.compat import (
     suite_server_version,
     venv_python,
 )
-from lmcache_kv_fast.testing.query_export import QUERY_SERVER_ARGS, query_server_kwargs
-from lmcache_kv_fast.testing.server import QSTORE_MODULE, zmq_noop
-from lmcache_kv_fast.transport.http import HttpInfoClient
-from lmcache_kv_fast.transport.zmq_client import ZmqClient
+from testbed.query_export import QUERY_SERVER_ARGS, query_server_kwargs
 
 V057 = "0.5.7rc2"
 needs_057 = pytest.mark.skipif(venv_python(V057) is None, reason=missing_venv_hint(V057))

@@ -22,7 +22,7 @@ from conftest import Model, make_model, rand_tokens
 
 import lmcache_kv_fast as lkf
 from lmcache_kv_fast import batch
-from lmcache_kv_fast.rewrite_engine import RewriteEngine
+from lmcache_kv_fast.batch import RewriteEngine
 from lmcache_kv_fast.testing import LMCacheServer
 from lmcache_kv_fast.testing.server import lmcache_available
 

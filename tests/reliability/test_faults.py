@@ -312,8 +312,8 @@ def test_store_into_a_full_dev_shm_is_an_error_not_a_crash() -> None:
     at the pwritev the cold-store path continues with; a fault through the mapping would
     be SIGBUS): that store fails with a KVCacheSDKError saying so; the process and the
     context go on."""
+    from benches.harness.helpers import punch_segment
     from lmcache_kv_fast import _native
-    from lmcache_kv_fast.testing.bench import punch_segment
 
     with LMCacheServer(shm=True, l1_size_gb=0.0625) as srv:
         m = make_model(srv, num_layers=4)

@@ -5,7 +5,7 @@ engine through the in-process hook), every 10th token's K/V is dropped from each
 prompt, and the streams decode from the edited cache: the engine reports the edited
 prefixes as external (LMCache) hits, and the greedy outputs equal those of upstream's
 ``lmcache.sdk.batch`` run on the same inputs and engine (upstream needs a harness around
-it on a CPU engine: lmcache_kv_fast/testing/upstream_cpu.py). An unchanged 0.5.6 program
+it on a CPU engine: testbed/upstream_cpu.py). An unchanged 0.5.6 program
 (tests/sdk/programs/token_dropping_056.py) runs with either import line.
 
 The runs use distinct cache salts, so no run can read another's edits (vLLM's prefix
@@ -28,7 +28,7 @@ from engine_fixtures import CHUNK
 import lmcache_kv_fast.sdk as lmc_sdk
 from lmcache_kv_fast.layout import select_cpu_kernel
 from lmcache_kv_fast.sdk.hooks import EngineHookError, OpenAICompletions
-from lmcache_kv_fast.testing.upstream_cpu import cpu_engine_kv, upstream_on_cpu_engine
+from testbed.upstream_cpu import cpu_engine_kv, upstream_on_cpu_engine
 
 from .http_delay_proxy import HttpDelayProxy
 
@@ -135,7 +135,7 @@ def test_stream_kv_flat_and_per_chunk_paths_agree(ours, engine_server, model_nam
     """The modify's two ways through a CPU engine's rows agree byte for byte: the flat row
     buffer (small chunks, the tiny model) and the core's per-chunk conversion (chunks from
     ``FLAT_MAX_CHUNK_BYTES``, forced here), for reads and for stores."""
-    from lmcache_kv_fast.sdk import kvio
+    from lmcache_kv_fast.sdk import _kvio as kvio
 
     ctx = lmc_sdk.connect(KV, engine_server.url, engine_server.http_url, model_name)
     try:
@@ -205,7 +205,7 @@ def test_existing_056_program_runs_unchanged(tmp_path, openai_engine, engine_ser
         assert "Batched Stream Modify Metrics" in proc.stdout  # .emit() printed the reports
         return json.loads(out.read_text())["tokens"]
 
-    theirs = run([sys.executable, "-m", "lmcache_kv_fast.testing.upstream_cpu",
+    theirs = run([sys.executable, "-m", "testbed.upstream_cpu",
                   engine_server.url, model_name, kernel(), str(PROGRAM)], "prog-upstream")
     before = external_hits(openai_engine.metrics())
     mine = run([sys.executable, str(ported)], "prog-ours")
@@ -274,8 +274,8 @@ def test_bench_w6_quick(openai_engine, engine_server, model_name):
     """``bench --w6 --quick`` on the shared engine: both sides and the landing probe run, the
     report is complete (no floor: the engine and server were given by URL, their CPU is not
     known to the bench)."""
-    from lmcache_kv_fast.testing.bench.cli import build_parser
-    from lmcache_kv_fast.testing.bench.w6 import run_w6
+    from benches.harness.cli import build_parser
+    from benches.harness.w6 import run_w6
 
     args = build_parser().parse_args([
         "--w6", "--quick", "--url", engine_server.url, "--http-url", engine_server.http_url,

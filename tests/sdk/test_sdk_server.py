@@ -24,10 +24,10 @@ from conftest import SERVER_VERSION, rand_tokens, start_server, unique_model_nam
 
 import lmcache_kv_fast.sdk as lmc_sdk
 from lmcache_kv_fast.errors import InvalidArgumentError, LMCacheSDKError
-from lmcache_kv_fast.sdk.qlayout import QueryLayoutError
+from lmcache_kv_fast.sdk._qlayout import QueryLayoutError
 from lmcache_kv_fast.testing import LMCacheServer, register_vllm_layout
-from lmcache_kv_fast.testing.compat import TheirContext
-from lmcache_kv_fast.testing.query_export import QueryExporter, query_server_kwargs
+from testbed.compat import TheirContext
+from testbed.query_export import QueryExporter, query_server_kwargs
 
 from .ipc_proxy import IpcForwarder
 
@@ -266,8 +266,8 @@ def test_prefill_prepares_the_modify_buffers(qserver, exporter, monkeypatch):
     then takes them from the pool (no new mapping) and stores the right bytes. Streams
     under MIN_PREPARE_BYTES (16 MiB; lowered here to keep the test small) get none."""
     from lmcache_kv_fast import _native
-    from lmcache_kv_fast.sdk import prepare
-    from lmcache_kv_fast.sdk.prepare import modify_buffers
+    from lmcache_kv_fast.sdk import _prepare as prepare
+    from lmcache_kv_fast.sdk._prepare import modify_buffers
 
     ctx = lmc_sdk.kvcache.connect(qserver.url, qserver.http_url, "qmodel")
     try:

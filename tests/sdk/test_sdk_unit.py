@@ -21,7 +21,7 @@ from lmcache_kv_fast.errors import InvalidArgumentError, LMCacheSDKError
 from lmcache_kv_fast.sdk import batch as sbatch
 from lmcache_kv_fast.sdk import metrics as smetrics
 from lmcache_kv_fast.sdk import request as sreq
-from lmcache_kv_fast.sdk.urls import normalize_request_url
+from lmcache_kv_fast.sdk._urls import normalize_request_url
 
 upstream = pytest.importorskip("lmcache.sdk")
 
@@ -112,7 +112,7 @@ def test_lmcache_sdk_error_is_the_root():
                 lmc_sdk.hooks.EngineHookError, lmc_sdk.qcache.__dict__.get("QueryLayoutError",
                                                                            LMCacheSDKError)]:
         assert issubclass(cls, LMCacheSDKError), cls
-    from lmcache_kv_fast.sdk.qlayout import QueryLayoutError
+    from lmcache_kv_fast.sdk._qlayout import QueryLayoutError
 
     assert issubclass(QueryLayoutError, LMCacheSDKError)
     assert lmc_sdk.LMCacheSDKError is lmc_sdk.context.LMCacheSDKError is LMCacheSDKError

@@ -1,4 +1,4 @@
-"""The native token-dropping gather (``edit_gather.py``, core ``index_rows``) against torch."""
+"""The native token-dropping gather (``batch/_gather.py``, core ``index_rows``) against torch."""
 
 from __future__ import annotations
 
@@ -6,9 +6,9 @@ import pytest
 import torch
 
 from lmcache_kv_fast import _native
+from lmcache_kv_fast.batch._gather import MIN_ROW_BYTES, gather_call
+from lmcache_kv_fast.batch._policy import PooledOutputs
 from lmcache_kv_fast.copy.select import backend
-from lmcache_kv_fast.edit_gather import MIN_ROW_BYTES, gather_call
-from lmcache_kv_fast.edit_policy import PooledOutputs
 
 pytestmark = pytest.mark.skipif(backend().NAME != "native", reason="needs the native core")
 aten = torch.ops.aten

@@ -9,8 +9,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from lmcache_kv_fast.copy.select import backend
-from lmcache_kv_fast.edit_policy import (
+from lmcache_kv_fast.batch._policy import (
     ENV_EDIT_THREADS,
     ENV_POOL_OUTPUTS,
     MIN_POOLED_BYTES,
@@ -20,6 +19,7 @@ from lmcache_kv_fast.edit_policy import (
     out_plan,
     set_thread_intraop_threads,
 )
+from lmcache_kv_fast.copy.select import backend
 from lmcache_kv_fast.errors import InvalidArgumentError
 
 native = pytest.mark.skipif(backend().NAME != "native", reason="pooled outputs need the native core")

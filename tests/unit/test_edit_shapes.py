@@ -13,7 +13,7 @@ import textwrap
 import pytest
 import torch
 
-from lmcache_kv_fast.edit_shapes import fast_out_meta
+from lmcache_kv_fast.batch._shapes import fast_out_meta
 
 aten = torch.ops.aten
 
@@ -108,7 +108,7 @@ def test_a_fresh_process_pools_common_edits_without_the_meta_machinery():
         import sys
         import torch
         from lmcache_kv_fast.copy.select import backend
-        from lmcache_kv_fast.edit_policy import PooledOutputs
+        from lmcache_kv_fast.batch._policy import PooledOutputs
         assert backend().NAME == "native", backend().NAME
         kv = torch.randn(2, 4, 2048, 256).to(torch.bfloat16)
         edits = [

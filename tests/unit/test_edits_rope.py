@@ -20,7 +20,7 @@ import torch
 
 from lmcache_kv_fast import edits
 from lmcache_kv_fast.errors import InvalidArgumentError, InvalidTypeError, KVCacheSDKError
-from lmcache_kv_fast.testing.engine_proc import EngineChildError, child_env, engine_python
+from testbed.engine_proc import EngineChildError, child_env, engine_python
 
 CHILD = Path(__file__).with_name("rope_oracle_child.py")
 T = 24
@@ -309,7 +309,7 @@ MODEL_ROPES = {
 @pytest.fixture(scope="module")
 def tiny_model() -> Path:
     """The project's tiny random-weight Llama (written once, in the engine venv)."""
-    from lmcache_kv_fast.testing.tiny_model import ensure_tiny_model
+    from testbed.tiny_model import ensure_tiny_model
 
     try:
         engine_python()
@@ -339,7 +339,7 @@ def test_layer0_of_the_shortened_prompt(tiny_model: Path, tmp_path: Path, varian
     re-rotating they must equal (to float32 rounding) what transformers computes for the
     kept tokens alone; without re-rotation K must not.
     """
-    from lmcache_kv_fast.testing.oracle import TransformersOracle
+    from testbed.oracle import TransformersOracle
 
     model = _model_with_rope(tiny_model, tmp_path / variant, MODEL_ROPES[variant])
     rope = edits.rope_from_config(model)

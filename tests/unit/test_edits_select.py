@@ -302,8 +302,8 @@ def test_bad_call_inputs_are_named() -> None:
 
 def test_same_result_under_pooled_outputs() -> None:
     """Under batch.rewrite's pooled edit outputs (>= 1 MiB results) every edit is unchanged."""
+    from lmcache_kv_fast.batch._policy import PooledOutputs
     from lmcache_kv_fast.copy.select import backend
-    from lmcache_kv_fast.edit_policy import PooledOutputs
 
     if backend().NAME != "native":
         pytest.skip("pooled outputs need the native core")

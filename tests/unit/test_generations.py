@@ -1,7 +1,7 @@
 """Server-generation detection and op tables, against what the real servers 0.5.1 .. 0.5.7rc2 show.
 
 The literal ``mp`` dicts below are ``GET /config`` of each real server (CPU, pickle plane,
-``--supported-transfer-mode auto``), captured with ``lmcache_kv_fast.testing.compat``; the
+``--supported-transfer-mode auto``), captured with ``testbed.compat``; the
 ``/version`` strings too (every version has ``/version``, not only 0.5.6). The op numbers are
 each version's ``RequestType`` enum values (0.5.1 .. 0.5.5) and 0.5.6's frozen legacy table.
 """

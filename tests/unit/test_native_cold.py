@@ -22,10 +22,10 @@ from conftest import create_shm_segment
 
 pytest.importorskip("lmcache_kv_fast._native")
 
+from benches.harness.helpers import punch_segment
 from lmcache_kv_fast import _native
 from lmcache_kv_fast.copy import native_backend as nb
 from lmcache_kv_fast.copy.base import ChunkGeometry
-from lmcache_kv_fast.testing.bench import punch_segment
 
 GEOM = ChunkGeometry(2, 4, 64, 256, 2)  # 256 KiB chunks, bf16
 N_CHUNKS = 8

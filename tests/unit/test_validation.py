@@ -8,9 +8,8 @@ import numpy as np
 import pytest
 import torch
 
-from lmcache_kv_fast.context import check_request_configs, check_salt, normalize_tokens
 from lmcache_kv_fast.errors import InvalidArgumentError, InvalidTypeError
-from lmcache_kv_fast.validation import check_connect_args
+from lmcache_kv_fast.validation import check_connect_args, check_request_configs, check_salt, normalize_tokens
 
 
 @pytest.mark.parametrize("tokens, want", [

@@ -8,10 +8,10 @@ import math
 
 import pytest
 
-from lmcache_kv_fast.sdk import modify as sdk_modify
+from benches.harness.cli import build_parser
+from benches.harness.w6 import W6Sizes, kv_geometry, modify_floor, summarize
+from lmcache_kv_fast.sdk import _modify as sdk_modify
 from lmcache_kv_fast.sdk.batch import LMCacheBatchedStream
-from lmcache_kv_fast.testing.bench.cli import build_parser
-from lmcache_kv_fast.testing.bench.w6 import W6Sizes, kv_geometry, modify_floor, summarize
 
 
 def _side(side: str, rep: int, modify_s: float, server: float, engine: float,
@@ -124,7 +124,7 @@ def test_edit_cpu_counts_the_cheaper_form_of_the_edit_per_stream():
     cheaper counts, the median stream's times the streams; no KV: NaN."""
     import torch
 
-    from lmcache_kv_fast.testing.bench.w6_worker import drop_every, edit_cpu
+    from benches.harness.w6_worker import drop_every, edit_cpu
 
     calls: list[int] = []
     drop = drop_every(10, "kv")
@@ -145,9 +145,9 @@ def test_modify_memory_counts_the_result_buffers_prepared_during_the_prefill():
     """W6 adds what this SDK's result pool grew by over the prefill (the modify's buffers,
     mapped and faulted then) to the modify's growth; the rest of the prefill's memory and
     shared pages mapped before the phase are not the modify's."""
+    from benches.harness.w6_worker import PeakRss, prepared_bytes
     from lmcache_kv_fast import _native
     from lmcache_kv_fast.copy import backend
-    from lmcache_kv_fast.testing.bench.w6_worker import PeakRss, prepared_bytes
 
     _native.result_pool_trim()
     try:

@@ -1,0 +1,1 @@
+"""Benchmarks of lmcache-kv-fast (a checkout's, not the wheel's): see README.md."""
