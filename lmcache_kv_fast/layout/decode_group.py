@@ -59,6 +59,8 @@ def decode_group(
     fields = _read_fields(kg, where, position)
     _check_declared_format(kg, fields)
     num_heads, printed_head = _heads_in_shape(fields)
+    head_size: int | None = None
+    hidden: int | None = None
     if printed_head is not None and num_heads is not None:
         head_size, hidden = _from_printed_head(fields, num_heads, printed_head,
                                                cache_size_per_token)
@@ -70,8 +72,6 @@ def decode_group(
             "carry the hidden size; it can only be derived from cache_size_per_token of a "
             "single-group entry"
         )
-    else:
-        head_size, hidden = None, None
     return fields.decoded(num_heads=num_heads, head_size=head_size, hidden_size=hidden)
 
 
