@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Mapping
+from dataclasses import dataclass
 from typing import Any
 
 from lmcache_kv_fast.errors import KVCacheSDKError
@@ -19,7 +20,7 @@ from lmcache_kv_fast.layout.concrete_shape import (
     parse_concrete_shape,
 )
 from lmcache_kv_fast.layout.decoded import DecodedGroup
-from lmcache_kv_fast.layout.formats import get_format
+from lmcache_kv_fast.layout.formats import FormatSpec, get_format
 from lmcache_kv_fast.layout.status_fields import (
     check_dtype,
     check_int,
@@ -55,6 +56,78 @@ def decode_group(
     the concrete shape nor ``cache_size_per_token`` gives it (a hybrid entry's group).
     """
     kg = check_object(kg, where)
+    fields = _read_fields(kg, where, position)
+    _check_declared_format(kg, fields)
+    num_heads, printed_head = _heads_in_shape(fields)
+    head_size: int | None = None
+    hidden: int | None = None
+    if printed_head is not None and num_heads is not None:
+        head_size, hidden = _from_printed_head(fields, num_heads, printed_head,
+                                               cache_size_per_token)
+    elif cache_size_per_token is not None:
+        head_size, hidden = _from_cache_size(fields, num_heads, cache_size_per_token)
+    elif require_hidden:
+        raise KVCacheSDKError(
+            f"{where}: the concrete shape {fields.text!r} of {fields.spec.name} does not "
+            "carry the hidden size; it can only be derived from cache_size_per_token of a "
+            "single-group entry"
+        )
+    return fields.decoded(num_heads=num_heads, head_size=head_size, hidden_size=hidden)
+
+
+@dataclass(frozen=True)
+class _GroupFields:
+    """A kernel group's checked fields, before the concrete shape is read."""
+
+    where: str
+    spec: FormatSpec
+    text: str
+    num_layers: int
+    layer_indices: tuple[int, ...]
+    tokens_per_block: int
+    slots_per_block: int
+    dtype: str
+    itemsize: int
+    kernel_group_idx: int
+    engine_group_idx: int
+    object_group_idx: int
+
+    @property
+    def ratio(self) -> int:
+        """Logical tokens per physical slot (above 1 for a compressed group)."""
+        return max(1, self.tokens_per_block // self.slots_per_block)
+
+    def bytes_for(self, hidden: int) -> int:
+        """Bytes per logical token if D is ``hidden``, as the server computes them."""
+        return bytes_per_token(self.spec.kv_size, self.num_layers, hidden, self.itemsize,
+                               self.ratio)
+
+    def decoded(self, *, num_heads: int | None, head_size: int | None,
+                hidden_size: int | None) -> DecodedGroup:
+        """The :class:`DecodedGroup` of these fields and the decoded head geometry."""
+        return DecodedGroup(
+            format_name=self.spec.name,
+            format_value=self.spec.value,
+            kernel_group_idx=self.kernel_group_idx,
+            engine_group_idx=self.engine_group_idx,
+            object_group_idx=self.object_group_idx,
+            planes=self.spec.kv_size,
+            num_layers=self.num_layers,
+            layer_indices=self.layer_indices,
+            num_heads=num_heads,
+            head_size=head_size,
+            hidden_size=hidden_size,
+            block_size=self.tokens_per_block,
+            slots_per_block=self.slots_per_block,
+            dtype=self.dtype,
+            itemsize=self.itemsize,
+            is_mla=self.spec.is_mla,
+            concrete_shape=self.text,
+        )
+
+
+def _read_fields(kg: Mapping[str, Any], where: str, position: int) -> _GroupFields:
+    """Check the group's fields in the order that decides which error a bad group gets."""
     spec = get_format(check_str(require_key(kg, "engine_kv_format", where), f"{where}.engine_kv_format"))
     text = require_key(kg, "engine_kv_concrete_shape", where)
     if not isinstance(text, str):
@@ -75,9 +148,23 @@ def decode_group(
         require_key(kg, "slots_per_block", where), f"{where}.slots_per_block", minimum=1
     )
     dtype, itemsize = check_dtype(require_key(kg, "dtype", where), f"{where}.dtype")
-    kernel_group_idx = check_int(kg.get("kernel_group_idx", position), f"{where}.kernel_group_idx")
-    engine_group_idx = check_int(kg.get("engine_group_idx", 0), f"{where}.engine_group_idx")
-    object_group_idx = check_int(kg.get("object_group_idx", 0), f"{where}.object_group_idx")
+    return _GroupFields(
+        where=where, spec=spec, text=text, num_layers=num_layers, layer_indices=layer_indices,
+        tokens_per_block=tokens_per_block, slots_per_block=slots_per_block, dtype=dtype,
+        itemsize=itemsize,
+        kernel_group_idx=check_int(kg.get("kernel_group_idx", position),
+                                   f"{where}.kernel_group_idx"),
+        engine_group_idx=check_int(kg.get("engine_group_idx", 0), f"{where}.engine_group_idx"),
+        object_group_idx=check_int(kg.get("object_group_idx", 0), f"{where}.object_group_idx"),
+    )
+
+
+def _check_declared_format(kg: Mapping[str, Any], fields: _GroupFields) -> None:
+    """Refuse an ``is_mla`` the format contradicts; log an unexpected ``engine_kv_shape``.
+
+    The format name decides the decoding; these optional fields only cross-check it.
+    """
+    where, spec = fields.where, fields.spec
     if "is_mla" in kg:
         is_mla = kg["is_mla"]
         if not isinstance(is_mla, bool):
@@ -95,106 +182,102 @@ def decode_group(
             where, shown, spec.symbolic_shape, spec.name,
         )
 
-    # Read what the concrete shape carries.
+
+def _heads_in_shape(fields: _GroupFields) -> tuple[int | None, int | None]:
+    """``(NH, printed head size)`` the concrete shape carries, each ``None`` if absent.
+
+    An MLA format's NH is 1 even when the shape is ``"Unknown (...)"``. The shape's
+    NL, BS and PBS are checked against the group's fields.
+    """
+    spec, text, where = fields.spec, fields.text, fields.where
     num_heads: int | None = 1 if spec.is_mla else None
-    printed_head: int | None = None
     if text.strip().startswith(UNKNOWN_PREFIX):
         if spec.status_shape_known:
             raise KVCacheSDKError(
                 f"{where}.engine_kv_concrete_shape is {text!r}, but LMCache 0.5.6 prints "
                 f"a concrete shape for {spec.name}"
             )
-    else:
-        levels, inner = parse_concrete_shape(text)
-        match_template(spec, levels, inner, text, where)
-        nl = levels[spec.nl_level] if spec.nl_level is not None else None
-        if spec.nl_index is not None:
-            nl = inner[spec.nl_index]
-        if nl != num_layers:
-            raise KVCacheSDKError(
-                f"{where}.engine_kv_concrete_shape {text!r} has NL = {nl} but "
-                f"{where}.num_layers is {num_layers}"
-            )
-        if spec.bs_index is not None and inner[spec.bs_index] != slots_per_block:
-            raise KVCacheSDKError(
-                f"{where}.engine_kv_concrete_shape {text!r} has BS = {inner[spec.bs_index]}"
-                f" but {where}.slots_per_block is {slots_per_block}"
-            )
-        if spec.pbs_index is not None and inner[spec.pbs_index] % slots_per_block:
-            raise KVCacheSDKError(
-                f"{where}.engine_kv_concrete_shape {text!r} has PBS = "
-                f"{inner[spec.pbs_index]}, not a multiple of slots_per_block "
-                f"{slots_per_block}"
-            )
-        if spec.nh_index is not None:
-            num_heads = inner[spec.nh_index]
-        if spec.head_index is not None:
-            printed_head = inner[spec.head_index]
+        return num_heads, None
+    levels, inner = parse_concrete_shape(text)
+    match_template(spec, levels, inner, text, where)
+    _check_shape_counts(fields, levels, inner)
+    if spec.nh_index is not None:
+        num_heads = inner[spec.nh_index]
+    printed_head = inner[spec.head_index] if spec.head_index is not None else None
+    return num_heads, printed_head
 
-    ratio = max(1, tokens_per_block // slots_per_block)
-    planes = spec.kv_size
 
-    def expected(hidden: int) -> int:
-        return bytes_per_token(planes, num_layers, hidden, itemsize, ratio)
-
-    head_size: int | None = None
-    hidden: int | None = None
-    if printed_head is not None and num_heads is not None:
-        candidates = [printed_head * m for m in spec.head_size_multipliers]
-        chosen = candidates[0]
-        if cache_size_per_token is not None:
-            matching = [h for h in candidates if expected(num_heads * h) == cache_size_per_token]
-            if not matching:
-                raise KVCacheSDKError(
-                    f"{where}: decoded {spec.name} {text!r} as planes {planes} x layers "
-                    f"{num_layers} x D {num_heads * chosen} (NH {num_heads} x head_size "
-                    f"{chosen}) x {itemsize} B = {expected(num_heads * chosen)} bytes per "
-                    f"token, but cache_size_per_token is {cache_size_per_token}"
-                )
-            chosen = matching[0]
-        head_size, hidden = chosen, num_heads * chosen
-    elif cache_size_per_token is not None:
-        unit = planes * num_layers * itemsize
-        derived, rest = divmod(cache_size_per_token * ratio, unit)
-        if rest or derived < 1 or expected(derived) != cache_size_per_token:
-            raise KVCacheSDKError(
-                f"{where}: cannot derive D for {spec.name} from cache_size_per_token "
-                f"{cache_size_per_token}: not a positive multiple of planes {planes} x "
-                f"layers {num_layers} x {itemsize} B"
-            )
-        hidden = derived
-        if num_heads is not None:
-            if hidden % num_heads:
-                raise KVCacheSDKError(
-                    f"{where}: derived D {hidden} is not a multiple of NH {num_heads}"
-                )
-            head_size = hidden // num_heads
-    elif require_hidden:
+def _check_shape_counts(
+    fields: _GroupFields, levels: tuple[int | str, ...], inner: tuple[int, ...]
+) -> None:
+    """The shape's NL must be ``num_layers``, its BS ``slots_per_block``, its PBS a multiple."""
+    spec, text, where = fields.spec, fields.text, fields.where
+    nl = levels[spec.nl_level] if spec.nl_level is not None else None
+    if spec.nl_index is not None:
+        nl = inner[spec.nl_index]
+    if nl != fields.num_layers:
         raise KVCacheSDKError(
-            f"{where}: the concrete shape {text!r} of {spec.name} does not carry the "
-            "hidden size; it can only be derived from cache_size_per_token of a "
-            "single-group entry"
+            f"{where}.engine_kv_concrete_shape {text!r} has NL = {nl} but "
+            f"{where}.num_layers is {fields.num_layers}"
+        )
+    slots = fields.slots_per_block
+    if spec.bs_index is not None and inner[spec.bs_index] != slots:
+        raise KVCacheSDKError(
+            f"{where}.engine_kv_concrete_shape {text!r} has BS = {inner[spec.bs_index]}"
+            f" but {where}.slots_per_block is {slots}"
+        )
+    if spec.pbs_index is not None and inner[spec.pbs_index] % slots:
+        raise KVCacheSDKError(
+            f"{where}.engine_kv_concrete_shape {text!r} has PBS = "
+            f"{inner[spec.pbs_index]}, not a multiple of slots_per_block "
+            f"{slots}"
         )
 
-    return DecodedGroup(
-        format_name=spec.name,
-        format_value=spec.value,
-        kernel_group_idx=kernel_group_idx,
-        engine_group_idx=engine_group_idx,
-        object_group_idx=object_group_idx,
-        planes=planes,
-        num_layers=num_layers,
-        layer_indices=layer_indices,
-        num_heads=num_heads,
-        head_size=head_size,
-        hidden_size=hidden,
-        block_size=tokens_per_block,
-        slots_per_block=slots_per_block,
-        dtype=dtype,
-        itemsize=itemsize,
-        is_mla=spec.is_mla,
-        concrete_shape=text,
-    )
+
+def _from_printed_head(
+    fields: _GroupFields, num_heads: int, printed_head: int, cache_size_per_token: int | None
+) -> tuple[int, int]:
+    """``(head size, D)`` from the printed head size, checked against the bytes per token.
+
+    The printed value of a ``..._TWO_HS`` format is ambiguous (packed or per half); the
+    first reading is 0.5.6's and ``cache_size_per_token``, when given, picks.
+    """
+    spec = fields.spec
+    candidates = [printed_head * m for m in spec.head_size_multipliers]
+    chosen = candidates[0]
+    if cache_size_per_token is not None:
+        matching = [h for h in candidates
+                    if fields.bytes_for(num_heads * h) == cache_size_per_token]
+        if not matching:
+            raise KVCacheSDKError(
+                f"{fields.where}: decoded {spec.name} {fields.text!r} as planes "
+                f"{spec.kv_size} x layers {fields.num_layers} x D {num_heads * chosen} (NH "
+                f"{num_heads} x head_size {chosen}) x {fields.itemsize} B = "
+                f"{fields.bytes_for(num_heads * chosen)} bytes per token, but "
+                f"cache_size_per_token is {cache_size_per_token}"
+            )
+        chosen = matching[0]
+    return chosen, num_heads * chosen
+
+
+def _from_cache_size(
+    fields: _GroupFields, num_heads: int | None, cache_size_per_token: int
+) -> tuple[int | None, int]:
+    """``(head size or None, D)`` from ``cache_size_per_token`` alone."""
+    where, planes = fields.where, fields.spec.kv_size
+    unit = planes * fields.num_layers * fields.itemsize
+    derived, rest = divmod(cache_size_per_token * fields.ratio, unit)
+    if rest or derived < 1 or fields.bytes_for(derived) != cache_size_per_token:
+        raise KVCacheSDKError(
+            f"{where}: cannot derive D for {fields.spec.name} from cache_size_per_token "
+            f"{cache_size_per_token}: not a positive multiple of planes {planes} x "
+            f"layers {fields.num_layers} x {fields.itemsize} B"
+        )
+    if num_heads is None:
+        return None, derived
+    if derived % num_heads:
+        raise KVCacheSDKError(f"{where}: derived D {derived} is not a multiple of NH {num_heads}")
+    return derived // num_heads, derived
 
 
 def decode_kernel_group(

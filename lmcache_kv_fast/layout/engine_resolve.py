@@ -97,48 +97,86 @@ def resolve_engine_layout(
     world_size: int | None = None, kernel: str | None = None, amx: bool | None = None,
     exclude_instance_ids: Collection[int | str] = (), fused: bool | None = None,
 ) -> EngineResolution:
-    """Derive the explicit layout (and converter) of an engine-driven registration.
+    """Derive the layout (and converter) of a model with no ``cache_context_meta`` entry.
 
-    Call it when ``/status`` has no ``cache_context_meta`` entry for the model (a GPU
-    vLLM's full layout is decoded as before).
+    The module docstring says how the engine's registration is told from SDKs'.
 
     Args:
         status: ``GET /status`` JSON.
         model_name: The model name exactly as the engine registered it.
-        model_config: Where the configuration is (a directory, ``config.json``, a hub id
-            or a dict); default: ``model_name`` itself (a local directory or a hub id in
-            the local Hugging Face cache).
-        dtype: KV dtype when the engine ran with another ``--dtype`` than the config's.
+        model_config: The configuration (a directory, ``config.json``, a hub id or a
+            dict); default ``model_name`` (a local directory or a cached hub id).
+        dtype: KV dtype when the engine's ``--dtype`` is not the config's.
         block_size: The engine's block size: picks among disagreeing registrations, or
             describes an engine that is not registered (any more).
         world_size: Expected KV world size.
-        kernel: The engine's attention kernel (``"vec"``, ``"vec16"``, ``"amx"``) when
-            the engine runs on another machine than this process.
+        kernel: The engine's attention kernel (``"vec"``, ``"vec16"``, ``"amx"``) if it runs elsewhere.
         amx: Whether the engine's CPU has AMX (default: this machine's).
         exclude_instance_ids: The caller's own SDK instance ids (never the engine).
-        fused: Whether the engine's objects are the CPU fused single-plane format; default
-            the registration's ``use_mla`` (True without a registration).
+        fused: Whether the engine's objects are the CPU fused single-plane format;
+            default the registration's ``use_mla`` (True without a registration).
 
     Returns:
-        The resolution.
+        The layout to register, the CPU converter (or None) and the engine's entries.
 
     Raises:
-        EngineLayoutUnresolvedError: No usable registration and no ``block_size``, or
-            ambiguous registrations; the message says what to pass.
-        ModelConfigNotFoundError: The model's configuration cannot be found (the message
-            says to pass ``model_config=``).
+        EngineLayoutUnresolvedError: No usable registration and no ``block_size``, ambiguous
+            registrations, or an MLA model registered two-plane; the message says what to pass.
+        ModelConfigNotFoundError: No configuration found (says to pass ``model_config=``).
         KVCacheSDKError: Invalid configuration (missing fields, hybrid model, no dtype),
             world size other than 1 for a CPU engine, or an MLA model on a CPU engine.
         UnsupportedEngineLayoutError: The kernel's order is not verified.
     """
-    exclude = {str(i) for i in exclude_instance_ids}
-    entries = _engine_entries(status, model_name, exclude)
+    entries = _engine_entries(status, model_name, {str(i) for i in exclude_instance_ids})
+    entries = _filter_entries(entries, block_size=block_size, world_size=world_size,
+                              fused=fused)
+    found = _agreed_registration(entries, model_name)
+    if found is not None:
+        geometry = found
+    elif block_size is not None:
+        geometry = _Geometry(world_size or 1, block_size, True if fused is None else fused, ())
+    else:
+        raise _unregistered_error(status, model_name)
+    tok = layout_from_hf_config(model_name if model_config is None else model_config,
+                                dtype=dtype, block_size=geometry.block_size)
+    if not geometry.fused:
+        return _two_plane_resolution(tok, geometry, model_name)
+    return _cpu_resolution(tok, geometry, model_name, kernel=kernel, amx=amx)
+
+
+@dataclass(frozen=True)
+class _Geometry:
+    """The engine's registration, or what the arguments describe in its place."""
+
+    world_size: int
+    block_size: int
+    fused: bool  # the registration's use_mla: one fused K|V plane
+    instance_ids: tuple[str, ...]
+
+
+def _filter_entries(
+    entries: list[tuple[str, Mapping[str, Any]]], *, block_size: int | None,
+    world_size: int | None, fused: bool | None,
+) -> list[tuple[str, Mapping[str, Any]]]:
+    """Keep the registrations that fit the arguments given (each ``None`` keeps all)."""
     if block_size is not None:
         entries = [(i, e) for i, e in entries if e.get("block_size") == block_size]
     if world_size is not None:
         entries = [(i, e) for i, e in entries if e.get("world_size") == world_size]
     if fused is not None:
         entries = [(i, e) for i, e in entries if bool(e.get("use_mla")) == fused]
+    return entries
+
+
+def _agreed_registration(
+    entries: list[tuple[str, Mapping[str, Any]]], model_name: str
+) -> _Geometry | None:
+    """The geometry every entry agrees on; ``None`` without entries.
+
+    Raises:
+        EngineLayoutUnresolvedError: The entries disagree (the message lists them).
+        KVCacheSDKError: The agreed block size is not a positive int.
+    """
     groups: dict[tuple[Any, Any, bool], list[str]] = {}
     for iid, e in entries:
         key = (e.get("world_size"), e.get("block_size"), bool(e.get("use_mla")))
@@ -151,41 +189,52 @@ def resolve_engine_layout(
             "pass block_size=<the engine's vLLM block size> (and world_size=) to pick the "
             "engine's, or layout=KVLayout(...)"
         )
-    if groups:
-        (ws, bs, use_mla), ids = next(iter(groups.items()))
-        if not isinstance(bs, int) or isinstance(bs, bool) or bs < 1:
-            raise KVCacheSDKError(f"/status: registration {ids} has block_size {bs!r}")
-        ws = ws if isinstance(ws, int) and not isinstance(ws, bool) and ws >= 1 else 1
-    elif block_size is not None:
-        ws, bs, use_mla, ids = world_size or 1, block_size, True if fused is None else fused, []
-    else:
-        near = _near_names(status, model_name)
-        hint = f" (registered under another spelling of that path: {near})" if near else ""
+    if not groups:
+        return None
+    (ws, bs, use_mla), ids = next(iter(groups.items()))
+    if not isinstance(bs, int) or isinstance(bs, bool) or bs < 1:
+        raise KVCacheSDKError(f"/status: registration {ids} has block_size {bs!r}")
+    ws = ws if isinstance(ws, int) and not isinstance(ws, bool) and ws >= 1 else 1
+    return _Geometry(ws, bs, use_mla, tuple(ids))
+
+
+def _unregistered_error(status: Mapping[str, Any], model_name: str) -> EngineLayoutUnresolvedError:
+    """The error for a model with no registration and no ``block_size=``."""
+    near = _near_names(status, model_name)
+    hint = f" (registered under another spelling of that path: {near})" if near else ""
+    return EngineLayoutUnresolvedError(
+        f"no engine registration for model {model_name!r} in /status non_cuda_context_meta"
+        f"{hint}: start the engine first, or pass block_size=<the engine's vLLM block "
+        "size> (+ model_config=<model dir, config.json or dict> if the name is not a "
+        "local directory) to describe a CPU engine, or layout=KVLayout(...)"
+    )
+
+
+def _two_plane_resolution(tok: KVLayout, geometry: _Geometry,
+                          model_name: str) -> EngineResolution:
+    """A two-plane engine: its objects are already per-token (no converter)."""
+    if tok.mla:
         raise EngineLayoutUnresolvedError(
-            f"no engine registration for model {model_name!r} in /status non_cuda_context_meta"
-            f"{hint}: start the engine first, or pass block_size=<the engine's vLLM block "
-            "size> (+ model_config=<model dir, config.json or dict> if the name is not a "
-            "local directory) to describe a CPU engine, or layout=KVLayout(...)"
+            f"model {model_name!r} is MLA but its registration is two-plane (use_mla "
+            "false); pass layout=KVLayout(...)"
         )
-    tok = layout_from_hf_config(model_name if model_config is None else model_config,
-                                dtype=dtype, block_size=bs)
-    if not use_mla:
-        if tok.mla:
-            raise EngineLayoutUnresolvedError(
-                f"model {model_name!r} is MLA but its registration is two-plane (use_mla "
-                "false); pass layout=KVLayout(...)"
-            )
-        return EngineResolution(tok, None, ws, tuple(ids), tok)
+    return EngineResolution(tok, None, geometry.world_size, geometry.instance_ids, tok)
+
+
+def _cpu_resolution(tok: KVLayout, geometry: _Geometry, model_name: str, *,
+                    kernel: str | None, amx: bool | None) -> EngineResolution:
+    """A CPU engine's fused K|V objects: the raw layout plus the kernel's converter."""
     if tok.mla:
         raise KVCacheSDKError(
             f"model {model_name!r} is an MLA model on a CPU engine: its CPU cache layout is "
             "not verified; pass layout=KVLayout(..., mla=True) and use the raw rows"
         )
-    if ws != 1:
+    if geometry.world_size != 1:
         raise KVCacheSDKError(
             f"model {model_name!r}: a CPU engine's fused K|V objects are supported with "
-            f"world_size 1 only (registration has {ws})"
+            f"world_size 1 only (registration has {geometry.world_size})"
         )
-    kern = kernel or select_cpu_kernel(tok.dtype, bs, tok.head_dim, amx=amx)
+    kern = kernel or select_cpu_kernel(tok.dtype, geometry.block_size, tok.head_dim, amx=amx)
     cpu = CpuEngineKV.from_token_layout(tok, kern)
-    return EngineResolution(cpu.raw_layout, cpu, ws, tuple(ids), tok)
+    return EngineResolution(cpu.raw_layout, cpu, geometry.world_size, geometry.instance_ids,
+                            tok)

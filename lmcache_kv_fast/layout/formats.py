@@ -67,41 +67,33 @@ _HEAD_LABELS = ("HS", "CS")
 class FormatSpec:
     """Static facts of one engine KV format.
 
-    The first fields are the table columns; the remaining ones are derived from
-    ``name`` in ``__post_init__`` and never passed in.
+    The first ten fields are the table columns; the last eight are derived from ``name``
+    in ``__post_init__``, never passed in (a position is ``None`` where the axis is absent).
 
     Attributes:
         value: Enum value (0..18), as in ``lmcache_native.EngineKVFormat``.
         name: Enum name, exactly as ``/status`` prints ``engine_kv_format``.
         kv_size: Planes of the server's chunk object: 2 (separate K and V) or 1
             (MLA latent, packed K|V or independent components).
-        is_mla: Multi-head latent attention (one latent "head"); ``/status``
-            ``is_mla`` is true exactly for these formats.
-        fused_kv: K and V packed into the trailing content axis, so the head size
-            the object uses is the packed width (2·HS or CS).
-        status_shape_known: ``False`` when 0.5.6 prints ``"Unknown (...)"`` as the
-            concrete shape (it has no size for CS / BSxVALS / BSxSCALES); the
-            hidden size must then come from ``cache_size_per_token``.
-        kv_tuple: Each per-layer list entry is a tuple of tensors ((K, V) or NP
-            MLA planes), not one stacked tensor.
-        single_kv: Each list entry is one independent K *or* V tensor, so NL
-            counts component tensors, not model layers.
+        is_mla: Multi-head latent attention (one latent "head"); exactly ``/status``'s ``is_mla``.
+        fused_kv: K and V packed in the trailing content axis: the object's head size is
+            the packed width (2·HS or CS).
+        status_shape_known: ``False`` when 0.5.6 prints ``"Unknown (...)"`` (it has no size
+            for CS / BSxVALS / BSxSCALES); D must then come from ``cache_size_per_token``.
+        kv_tuple: Each list entry is a tuple ((K, V) or NP MLA planes), not one tensor.
+        single_kv: Each list entry is one K *or* V tensor: NL counts tensors, not layers.
         deprecated: Detection no longer produces this format.
         backend: Representative engine / attention backend (diagnostic only).
-        list_levels: Derived. Symbolic list levels, outermost first, e.g.
-            ``("2", "NL")``; empty for cross-layer formats.
-        inner_dims: Derived. Symbolic dims of the innermost tensor.
-        nl_level: Derived. Position of ``NL`` in ``list_levels`` or ``None``.
-        nl_index: Derived. Position of ``NL`` in ``inner_dims`` (cross-layer
-            formats) or ``None``.
-        nh_index: Derived. Position of ``NH`` in ``inner_dims`` or ``None`` (MLA
-            formats have one head; for them NH is the constant 1).
-        bs_index: Derived. Position of the block-size axis or ``None`` (formats
-            with a fused PBS axis; BS then comes from ``tokens_per_block``).
-        head_index: Derived. Position of the head-size axis (HS or CS) or
-            ``None`` (DSA indexer: the width is not in the shape).
-        pbs_index: Derived. Position of the fused PBS axis or ``None``.
-
+        list_levels: Symbolic list levels, outermost first (``("2", "NL")``); empty if cross-layer.
+        inner_dims: Symbolic dims of the innermost tensor.
+        nl_level: Position of ``NL`` in ``list_levels``.
+        nl_index: Position of ``NL`` in ``inner_dims`` (cross-layer formats).
+        nh_index: Position of ``NH`` in ``inner_dims``; ``None`` for MLA (NH is the constant 1).
+        bs_index: Position of the block-size axis; ``None`` with a fused PBS axis (BS then
+            comes from ``tokens_per_block``).
+        head_index: Position of the head-size axis (HS or CS); ``None`` for the DSA indexer
+            (the width is not in the shape).
+        pbs_index: Position of the fused PBS axis.
     """
 
     value: int
