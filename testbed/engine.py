@@ -54,7 +54,7 @@ DEFAULT_KV_SPACE_GB = 1
 
 
 @dataclass
-class Generation:
+class Completion:
     """One request's outcome.
 
     Attributes:
@@ -128,7 +128,7 @@ class OfflineEngine(ChildOwner):
 
     def generate(self, prompts: list[list[int]], *, max_tokens: int = 1,
                  logprobs: int | None = None, cache_salt: str | None = None,
-                 timeout: float = 300.0) -> list[Generation]:
+                 timeout: float = 300.0) -> list[Completion]:
         """Greedy generation for token-id prompts (one batch).
 
         Args:
@@ -139,12 +139,12 @@ class OfflineEngine(ChildOwner):
             timeout: Seconds the batch may take.
 
         Returns:
-            One :class:`Generation` per prompt, in order.
+            One :class:`Completion` per prompt, in order.
         """
         reqs = [{"tokens": [int(t) for t in p], "cache_salt": cache_salt} for p in prompts]
         res = self._child.call("generate", timeout, prompts=reqs, max_tokens=max_tokens,
                                logprobs=logprobs)
-        return [Generation(r["token_ids"], _dense(r["logprobs"]), r["num_cached_tokens"],
+        return [Completion(r["token_ids"], _dense(r["logprobs"]), r["num_cached_tokens"],
                            r["request_id"]) for r in res]
 
     def block_ids(self, request_id: str) -> list[int]:
@@ -336,7 +336,7 @@ class OpenAIEngine:
         return out
 
     def complete(self, prompt: list[int], *, max_tokens: int = 1, logprobs: int | None = None,
-                 cache_salt: str | None = None, timeout: float = 300.0) -> Generation:
+                 cache_salt: str | None = None, timeout: float = 300.0) -> Completion:
         """``POST /v1/completions`` with a token-id prompt, greedy.
 
         Returns:
@@ -368,7 +368,7 @@ class OpenAIEngine:
                 rows.append(vec)
             dense = _dense(rows)
         details = (data.get("usage") or {}).get("prompt_tokens_details") or {}
-        return Generation(ids, dense, int(details.get("cached_tokens") or 0), data.get("id", ""))
+        return Completion(ids, dense, int(details.get("cached_tokens") or 0), data.get("id", ""))
 
 
 def _token_id(text: str) -> int:
