@@ -19,12 +19,14 @@ size, stride, False, OrderedDict())``; the zip stores the raw bytes uncompressed
 from __future__ import annotations
 
 import io
+import math
 import pickle
 import struct
+import sys
 import threading
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 
@@ -61,19 +63,39 @@ class _TensorRef:
     stride: tuple[int, ...]
 
 
-def _interpret(buf: memoryview) -> Any:
-    """Run the closed tensor-pickle interpreter; return the top-level object."""
-    stack: list[Any] = []
-    memo: list[Any] = []
-    memo_map: dict[int, Any] = {}
-    pos, end = 0, len(buf)
-    u8 = struct.Struct("<B").unpack_from
-    u16 = struct.Struct("<H").unpack_from
-    i32 = struct.Struct("<i").unpack_from
-    u32 = struct.Struct("<I").unpack_from
-    u64 = struct.Struct("<Q").unpack_from
+_U8, _U16, _I32, _U32, _U64 = (struct.Struct(f).unpack_from for f in ("<B", "<H", "<i", "<I", "<Q"))
+_HALT = sys.maxsize  # the position STOP returns: past any buffer
+_Op = Callable[[Any, int], int]  # an opcode's handler: (machine, position) -> next position
 
-    def pop_mark() -> list[Any]:
+
+def _push(value: Any) -> _Op:
+    """The handler of an opcode that pushes an immutable constant."""
+    def op(m: _Machine, pos: int) -> int:
+        m.stack.append(value)
+        return pos
+    return op
+
+
+class _Machine:
+    """One run of the closed interpreter: the buffer, the stack and the memos.
+
+    Each method below runs one opcode: it gets the position after the opcode byte and
+    returns the position after its argument. Nothing is ever imported or called.
+    """
+
+    __slots__ = ("buf", "end", "memo", "memo_map", "result", "stack")
+
+    def __init__(self, buf: memoryview) -> None:
+        self.buf = buf
+        self.end = len(buf)
+        self.stack: list[Any] = []
+        self.memo: list[Any] = []  # MEMOIZE (protocol 4+)
+        self.memo_map: dict[int, Any] = {}  # BINPUT / LONG_BINPUT (protocols 1-3)
+        self.result: Any = None
+
+    def pop_mark(self) -> list[Any]:
+        """Pop the items above the topmost MARK, and the MARK."""
+        stack = self.stack
         for k in range(len(stack) - 1, -1, -1):
             if stack[k] is _MARK:
                 items = stack[k + 1:]
@@ -81,123 +103,197 @@ def _interpret(buf: memoryview) -> Any:
                 return items
         raise _Unsupported("no mark")
 
+    def push_bytes(self, pos: int, n: int) -> int:
+        """Push where ``n`` bytes at ``pos`` lie (never a copy), refusing any past the end."""
+        if pos + n > self.end:
+            raise _Unsupported("bytes beyond the buffer")
+        self.stack.append(_Bytes(pos, n))
+        return pos + n
+
+    def push_global(self, module: Any, name: Any) -> None:
+        """Push a global as its name, refusing all but the three of a tensor pickle."""
+        g = (module, name)
+        if g not in (_G_REBUILD, _G_LOAD, _G_ODICT):
+            raise _Unsupported(f"global {module}.{name}")
+        self.stack.append(g)
+
+    def proto(self, pos: int) -> int:
+        return pos + 1
+
+    def frame(self, pos: int) -> int:
+        return pos + 8  # frame lengths are not needed: opcodes are read in place
+
+    def stop(self, pos: int) -> int:
+        if len(self.stack) != 1:
+            raise _Unsupported("unbalanced stack at STOP")
+        self.result = self.stack[0]
+        return _HALT
+
+    def unsupported(self, pos: int) -> int:
+        raise _Unsupported(f"opcode 0x{self.buf[pos - 1]:02x}")
+
+    def pop(self, pos: int) -> int:
+        self.stack.pop()
+        return pos
+
+    def pop_mark_op(self, pos: int) -> int:
+        self.pop_mark()
+        return pos
+
+    def memoize(self, pos: int) -> int:
+        self.memo.append(self.stack[-1])
+        return pos
+
+    def binput(self, pos: int) -> int:
+        self.memo_map[_U8(self.buf, pos)[0]] = self.stack[-1]
+        return pos + 1
+
+    def long_binput(self, pos: int) -> int:
+        self.memo_map[_U32(self.buf, pos)[0]] = self.stack[-1]
+        return pos + 4
+
+    def binget(self, pos: int) -> int:  # BINPUT's map first, then MEMOIZE's list
+        idx = _U8(self.buf, pos)[0]
+        self.stack.append(self.memo_map[idx] if idx in self.memo_map else self.memo[idx])
+        return pos + 1
+
+    def long_binget(self, pos: int) -> int:
+        idx = _U32(self.buf, pos)[0]
+        self.stack.append(self.memo_map[idx] if idx in self.memo_map else self.memo[idx])
+        return pos + 4
+
+    def empty_list(self, pos: int) -> int:
+        self.stack.append([])
+        return pos
+
+    def empty_dict(self, pos: int) -> int:
+        self.stack.append({})
+        return pos
+
+    def binint1(self, pos: int) -> int:
+        self.stack.append(self.buf[pos])
+        return pos + 1
+
+    def binint2(self, pos: int) -> int:
+        self.stack.append(_U16(self.buf, pos)[0])
+        return pos + 2
+
+    def binint(self, pos: int) -> int:
+        self.stack.append(_I32(self.buf, pos)[0])
+        return pos + 4
+
+    def long1(self, pos: int) -> int:
+        n = self.buf[pos]
+        raw = bytes(self.buf[pos + 1:pos + 1 + n])
+        self.stack.append(int.from_bytes(raw, "little", signed=True))
+        return pos + 1 + n  # past the end if truncated: the loop then stops without STOP
+
+    def short_binunicode(self, pos: int) -> int:
+        n = self.buf[pos]
+        self.stack.append(bytes(self.buf[pos + 1:pos + 1 + n]).decode())
+        return pos + 1 + n
+
+    def binunicode(self, pos: int) -> int:
+        n = _U32(self.buf, pos)[0]
+        self.stack.append(bytes(self.buf[pos + 4:pos + 4 + n]).decode())
+        return pos + 4 + n
+
+    def short_binbytes(self, pos: int) -> int:
+        return self.push_bytes(pos + 1, self.buf[pos])
+
+    def binbytes(self, pos: int) -> int:
+        return self.push_bytes(pos + 4, _U32(self.buf, pos)[0])
+
+    def binbytes8(self, pos: int) -> int:
+        return self.push_bytes(pos + 8, _U64(self.buf, pos)[0])
+
+    def stack_global(self, pos: int) -> int:
+        name, module = self.stack.pop(), self.stack.pop()
+        self.push_global(module, name)
+        return pos
+
+    def global_(self, pos: int) -> int:
+        buf = self.buf  # "module\nname\n", each name under 256 bytes
+        nl1 = bytes(buf[pos:pos + 256]).index(b"\n")
+        module = bytes(buf[pos:pos + nl1]).decode()
+        nl2 = bytes(buf[pos + nl1 + 1:pos + nl1 + 257]).index(b"\n")
+        name = bytes(buf[pos + nl1 + 1:pos + nl1 + 1 + nl2]).decode()
+        self.push_global(module, name)
+        return pos + nl1 + nl2 + 2
+
+    def tuple1(self, pos: int) -> int:
+        self.stack[-1] = (self.stack[-1],)
+        return pos
+
+    def tuple2(self, pos: int) -> int:
+        b, a = self.stack.pop(), self.stack.pop()
+        self.stack.append((a, b))
+        return pos
+
+    def tuple3(self, pos: int) -> int:
+        c, b, a = self.stack.pop(), self.stack.pop(), self.stack.pop()
+        self.stack.append((a, b, c))
+        return pos
+
+    def tuple_(self, pos: int) -> int:
+        self.stack.append(tuple(self.pop_mark()))
+        return pos
+
+    def append(self, pos: int) -> int:
+        item = self.stack.pop()
+        if not isinstance(self.stack[-1], list):
+            raise _Unsupported("append to a non-list")
+        self.stack[-1].append(item)
+        return pos
+
+    def appends(self, pos: int) -> int:
+        items = self.pop_mark()
+        if not isinstance(self.stack[-1], list):
+            raise _Unsupported("appends to a non-list")
+        self.stack[-1].extend(items)
+        return pos
+
+    def reduce(self, pos: int) -> int:
+        args, func = self.stack.pop(), self.stack.pop()
+        self.stack.append(_reduce(func, args))
+        return pos
+
+    #: The whole opcode subset, keyed by ``pickle``'s own names; all others are refused.
+    OPS: ClassVar[dict[bytes, _Op]] = {
+        pickle.PROTO: proto, pickle.FRAME: frame, pickle.STOP: stop,
+        pickle.MARK: _push(_MARK), pickle.POP: pop, pickle.POP_MARK: pop_mark_op,
+        pickle.MEMOIZE: memoize, pickle.BINPUT: binput, pickle.LONG_BINPUT: long_binput,
+        pickle.BINGET: binget, pickle.LONG_BINGET: long_binget,
+        pickle.EMPTY_LIST: empty_list, pickle.EMPTY_DICT: empty_dict,
+        pickle.EMPTY_TUPLE: _push(()), pickle.NONE: _push(None),
+        pickle.NEWTRUE: _push(True), pickle.NEWFALSE: _push(False),
+        pickle.BININT1: binint1, pickle.BININT2: binint2, pickle.BININT: binint, pickle.LONG1: long1,
+        pickle.SHORT_BINUNICODE: short_binunicode, pickle.BINUNICODE: binunicode,
+        pickle.SHORT_BINBYTES: short_binbytes, pickle.BINBYTES: binbytes, pickle.BINBYTES8: binbytes8,
+        pickle.STACK_GLOBAL: stack_global, pickle.GLOBAL: global_,
+        pickle.TUPLE1: tuple1, pickle.TUPLE2: tuple2, pickle.TUPLE3: tuple3, pickle.TUPLE: tuple_,
+        pickle.APPEND: append, pickle.APPENDS: appends, pickle.REDUCE: reduce,
+    }
+
+
+#: ``_Machine.OPS`` indexed by the opcode byte's value (a tuple index: the fastest dispatch).
+_DISPATCH = tuple(_Machine.OPS.get(bytes([op]), _Machine.unsupported) for op in range(256))
+
+
+def _interpret(buf: memoryview) -> Any:
+    """Run the closed tensor-pickle interpreter; return the top-level object.
+
+    Raises:
+        _Unsupported: (or IndexError, struct.error, ValueError on truncated or inconsistent
+            bytes) the stream is outside the subset; the caller falls back.
+    """
+    m = _Machine(buf)
+    dispatch, pos, end = _DISPATCH, 0, m.end
     while pos < end:
-        op = buf[pos]
-        pos += 1
-        if op == 0x80:  # PROTO
-            pos += 1
-        elif op == 0x95:  # FRAME
-            pos += 8
-        elif op == 0x5D:  # EMPTY_LIST
-            stack.append([])
-        elif op == 0x29:  # EMPTY_TUPLE
-            stack.append(())
-        elif op == 0x7D:  # EMPTY_DICT
-            stack.append({})
-        elif op == 0x28:  # MARK
-            stack.append(_MARK)
-        elif op == 0x30:  # POP
-            stack.pop()
-        elif op == 0x31:  # POP_MARK
-            pop_mark()
-        elif op == 0x94:  # MEMOIZE
-            memo.append(stack[-1])
-        elif op == 0x71:  # BINPUT
-            memo_map[u8(buf, pos)[0]] = stack[-1]
-            pos += 1
-        elif op == 0x72:  # LONG_BINPUT
-            memo_map[u32(buf, pos)[0]] = stack[-1]
-            pos += 4
-        elif op in (0x68, 0x6A):  # BINGET, LONG_BINGET
-            if op == 0x68:
-                idx, pos = u8(buf, pos)[0], pos + 1
-            else:
-                idx, pos = u32(buf, pos)[0], pos + 4
-            stack.append(memo_map[idx] if idx in memo_map else memo[idx])
-        elif op == 0x8C:  # SHORT_BINUNICODE
-            n = buf[pos]
-            stack.append(bytes(buf[pos + 1:pos + 1 + n]).decode())
-            pos += 1 + n
-        elif op == 0x58:  # BINUNICODE
-            n = u32(buf, pos)[0]
-            stack.append(bytes(buf[pos + 4:pos + 4 + n]).decode())
-            pos += 4 + n
-        elif op == 0x93:  # STACK_GLOBAL
-            name, module = stack.pop(), stack.pop()
-            g = (module, name)
-            if g not in (_G_REBUILD, _G_LOAD, _G_ODICT):
-                raise _Unsupported(f"global {module}.{name}")
-            stack.append(g)
-        elif op == 0x63:  # GLOBAL "module\nname\n"
-            nl1 = bytes(buf[pos:pos + 256]).index(b"\n")
-            module = bytes(buf[pos:pos + nl1]).decode()
-            nl2 = bytes(buf[pos + nl1 + 1:pos + nl1 + 257]).index(b"\n")
-            name = bytes(buf[pos + nl1 + 1:pos + nl1 + 1 + nl2]).decode()
-            pos += nl1 + nl2 + 2
-            g = (module, name)
-            if g not in (_G_REBUILD, _G_LOAD, _G_ODICT):
-                raise _Unsupported(f"global {module}.{name}")
-            stack.append(g)
-        elif op in (0x42, 0x8E, 0x43):  # BINBYTES, BINBYTES8, SHORT_BINBYTES
-            if op == 0x42:
-                n, pos = u32(buf, pos)[0], pos + 4
-            elif op == 0x8E:
-                n, pos = u64(buf, pos)[0], pos + 8
-            else:
-                n, pos = buf[pos], pos + 1
-            if pos + n > end:
-                raise _Unsupported("bytes beyond the buffer")
-            stack.append(_Bytes(pos, n))
-            pos += n
-        elif op == 0x4B:  # BININT1
-            stack.append(buf[pos])
-            pos += 1
-        elif op == 0x4D:  # BININT2
-            stack.append(u16(buf, pos)[0])
-            pos += 2
-        elif op == 0x4A:  # BININT
-            stack.append(i32(buf, pos)[0])
-            pos += 4
-        elif op == 0x8A:  # LONG1
-            n = buf[pos]
-            stack.append(int.from_bytes(bytes(buf[pos + 1:pos + 1 + n]), "little", signed=True))
-            pos += 1 + n
-        elif op == 0x89:  # NEWFALSE
-            stack.append(False)
-        elif op == 0x88:  # NEWTRUE
-            stack.append(True)
-        elif op == 0x4E:  # NONE
-            stack.append(None)
-        elif op == 0x85:  # TUPLE1
-            stack[-1] = (stack[-1],)
-        elif op == 0x86:  # TUPLE2
-            b, a = stack.pop(), stack.pop()
-            stack.append((a, b))
-        elif op == 0x87:  # TUPLE3
-            c, b, a = stack.pop(), stack.pop(), stack.pop()
-            stack.append((a, b, c))
-        elif op == 0x74:  # TUPLE
-            stack.append(tuple(pop_mark()))
-        elif op == 0x52:  # REDUCE
-            args, func = stack.pop(), stack.pop()
-            stack.append(_reduce(func, args))
-        elif op == 0x61:  # APPEND
-            item = stack.pop()
-            if not isinstance(stack[-1], list):
-                raise _Unsupported("append to a non-list")
-            stack[-1].append(item)
-        elif op == 0x65:  # APPENDS
-            items = pop_mark()
-            if not isinstance(stack[-1], list):
-                raise _Unsupported("appends to a non-list")
-            stack[-1].extend(items)
-        elif op == 0x2E:  # STOP
-            if len(stack) != 1:
-                raise _Unsupported("unbalanced stack at STOP")
-            return stack[0]
-        else:
-            raise _Unsupported(f"opcode 0x{op:02x}")
-    raise _Unsupported("no STOP")
+        pos = dispatch[buf[pos]](m, pos + 1)
+    if pos != _HALT:
+        raise _Unsupported("no STOP")
+    return m.result
 
 
 def _reduce(func: Any, args: Any) -> Any:
@@ -303,10 +399,7 @@ def locate_chunks(buf: memoryview, count: int, numel: int, dtype: torch.dtype,
             raise ProtocolError(f"{what}: expected {count} chunk tensors, got {len(obj)}")
         out = []
         for k, t in enumerate(obj):
-            n = 1
-            expect = 1
-            for d in t.size:
-                n *= d
+            n, expect = math.prod(t.size), 1
             if n != numel:
                 raise ProtocolError(f"{what}: chunk {k} has {n} elements, expected {numel}")
             if shape is not None and list(t.size) != list(shape) and not (
@@ -332,24 +425,15 @@ def locate_chunks(buf: memoryview, count: int, numel: int, dtype: torch.dtype,
 
 
 # --------------------------------------------------------------------------- build
-_NOOPS = {2: b"(1", 3: b"K\x000"}  # MARK POP_MARK / BININT1 0 POP
+_NOOP2 = pickle.MARK + pickle.POP_MARK
+_NOOP3 = pickle.BININT1 + b"\x00" + pickle.POP
 
 
 def _noop(n: int) -> bytes:
     """A no-op pickle opcode sequence of exactly ``n`` bytes (n == 0 or n >= 2)."""
-    if n == 0:
-        return b""
     if n == 1:
         raise ValueError("no 1-byte no-op")
-    parts = []
-    while n > 3 and n != 4:
-        parts.append(_NOOPS[2])
-        n -= 2
-    if n == 4:
-        parts.append(_NOOPS[2] * 2)
-    else:
-        parts.append(_NOOPS[n])
-    return b"".join(parts)
+    return _NOOP2 * (n // 2) if n % 2 == 0 else _NOOP2 * ((n - 3) // 2) + _NOOP3
 
 
 class ChunkFrameBuilder:
@@ -362,7 +446,7 @@ class ChunkFrameBuilder:
     """
 
     #: Idle frame buffers kept for reuse (a fresh one costs a page fault per 4 KiB plus
-    #: zeroing: ~40 ms for a 64 MiB frame).
+    #: zeroing; docs/performance.md has the numbers).
     KEEP_BUFFERS = 2
 
     def __init__(self, shape: Sequence[int], dtype: torch.dtype, align: int = 64) -> None:
