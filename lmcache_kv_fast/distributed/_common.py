@@ -12,7 +12,7 @@ PROBE_RETRY_S = 0.2
 
 
 @dataclass
-class Slot:
+class Member:
     """One server's place in the fleet: its actor and what is known about it."""
 
     index: int

@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from lmcache_kv_fast.batch import BatchReport
-from lmcache_kv_fast.distributed._common import Slot, first_line, server_answers
+from lmcache_kv_fast.distributed._common import Member, first_line, server_answers
 from lmcache_kv_fast.distributed.actor import kv_from_wire, kv_to_wire
 from lmcache_kv_fast.distributed.report import FleetProgress, FleetReport
 from lmcache_kv_fast.distributed.routing import NEEDS_LOOKUP, Router, pick_server, placement
@@ -87,8 +87,8 @@ class Job:
         n = len(fleet.slots)
         self._pending: list[collections.deque[_Item]] = [collections.deque() for _ in range(n)]
         self._deferred: list[list[_Item]] = [[] for _ in range(n)]
-        self._inflight: dict[Any, tuple[Slot, int, list[_Item]]] = {}
-        self._lookups: dict[Any, tuple[_Window, Slot, int]] = {}
+        self._inflight: dict[Any, tuple[Member, int, list[_Item]]] = {}
+        self._lookups: dict[Any, tuple[_Window, Member, int]] = {}
         self._windows: list[_Window] = []
         self._relookup: list[_Item] = []
         self._values: collections.deque[tuple[int, Any]] = collections.deque()
@@ -336,7 +336,7 @@ class Job:
         for it, o in zip(items, outs):
             self._outcome(slot, it, o)
 
-    def _requeue_lost(self, slot: Slot, it: _Item, err: BaseException) -> None:
+    def _requeue_lost(self, slot: Member, it: _Item, err: BaseException) -> None:
         if it.attempts >= self.fleet.max_attempts:
             self._finish(it, slot, "failed", "actor",
                          f"lost with its actor {it.attempts} times (last: {first_line(err)})")
@@ -346,7 +346,7 @@ class Job:
         self.report.retried += 1
         self._pending[slot.index].appendleft(it)
 
-    def _outcome(self, slot: Slot, it: _Item, o: Any) -> None:
+    def _outcome(self, slot: Member, it: _Item, o: Any) -> None:
         now = time.monotonic()
         if (o.status == "failed" and o.stage == "store" and o.refused and it.lost_at is not None
                 and self.fleet.wait_for_lost_writes and it.attempts < self.fleet.max_attempts):
@@ -369,7 +369,7 @@ class Job:
             self.router.index.note_hashes(slot.index, o.hashes)
         self._finish(it, slot, o.status, o.stage, o.reason, o.tokens, o.nbytes, o.stages, o.value)
 
-    def _finish(self, it: _Item, slot: Slot | None, status: str, stage: str, reason: str,
+    def _finish(self, it: _Item, slot: Member | None, status: str, stage: str, reason: str,
                 tokens: int = 0, nbytes: int = 0, stages: dict[str, float] | None = None,
                 value: Any = None) -> None:
         name = slot.server.name if slot is not None else None

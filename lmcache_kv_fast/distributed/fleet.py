@@ -20,7 +20,7 @@ from typing import Any
 import torch
 
 from lmcache_kv_fast.batch import DEFAULT_MAX_IN_FLIGHT
-from lmcache_kv_fast.distributed._common import PROBE_RETRY_S, Slot, first_line, server_answers
+from lmcache_kv_fast.distributed._common import PROBE_RETRY_S, Member, first_line, server_answers
 from lmcache_kv_fast.distributed._raycompat import require_ray
 from lmcache_kv_fast.distributed.actor import ServerWorker
 from lmcache_kv_fast.distributed.report import FleetReport
@@ -98,7 +98,7 @@ class Fleet:
         self._remote = ray.remote(ServerWorker)
         driver_node = ray.get_runtime_context().get_node_id()
         nodes = ray.nodes()
-        self.slots = [Slot(i, s, resolve_node(s, nodes, driver_node)) for i, s in enumerate(self.servers)]
+        self.slots = [Member(i, s, resolve_node(s, nodes, driver_node)) for i, s in enumerate(self.servers)]
         try:
             self._start_all(startup_timeout)
         except BaseException:
@@ -110,7 +110,7 @@ class Fleet:
             raise KVCacheSDKError(f"no server of the fleet could be used: {reasons}")
 
     # ------------------------------------------------------------------ actors
-    def _new_actor(self, slot: Slot, *, soft: bool = False) -> Any:
+    def _new_actor(self, slot: Member, *, soft: bool = False) -> Any:
         from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
         opts: dict[str, Any] = {
@@ -148,13 +148,13 @@ class Fleet:
                 except Exception as err:
                     self.set_down(slot, f"its actor could not start: {first_line(err)}")
 
-    def set_down(self, slot: Slot, reason: str) -> None:
+    def set_down(self, slot: Member, reason: str) -> None:
         """Give a server up (its items fail with ``reason``)."""
         if slot.state != "down":
             logger.warning("fleet: giving up server %s: %s", slot.server.name, reason)
         slot.state, slot.down_reason, slot.probe = "down", reason, None
 
-    def lost(self, slot: Slot, gen: int, err: BaseException) -> bool:
+    def lost(self, slot: Member, gen: int, err: BaseException) -> bool:
         """Note that ``slot``'s actor (generation ``gen``) was lost; True if this is news."""
         if gen != slot.gen or slot.state in ("recovering", "down"):
             return False
@@ -180,7 +180,7 @@ class Fleet:
                 continue
             slot.probe = slot.handle.info.remote()
 
-    def probe_done(self, slot: Slot, report: FleetReport) -> None:
+    def probe_done(self, slot: Member, report: FleetReport) -> None:
         """Handle the answer of ``slot.probe`` (up again, still restarting, or dead)."""
         ray = self._ray
         from ray.exceptions import ActorDiedError, ActorUnavailableError, ActorUnschedulableError
@@ -201,7 +201,7 @@ class Fleet:
             why = first_line(err)
         self._replace(slot, why, report)
 
-    def _replace(self, slot: Slot, why: str, report: FleetReport) -> None:
+    def _replace(self, slot: Member, why: str, report: FleetReport) -> None:
         alive = server_answers(slot.server)
         if not alive:
             self.set_down(slot, f"the server does not answer (and its actor is gone: {why})")
