@@ -27,7 +27,7 @@ CPU seconds and peak private-RSS growth, and the paired speed-ups per rep:
 
     .venv/bin/python benches/bench_batch_plain.py                  # 16 x 2048 tok, 32 layers
     taskset -c 0 .venv/bin/python benches/bench_batch_plain.py --quick
-    .venv/bin/python benches/bench_batch_plain.py --rewrite-kw edit_policy=off
+    .venv/bin/python benches/bench_batch_plain.py --rewrite-kw pool_outputs=false
 
 Everything it starts runs on the CPUs this process may use (``taskset`` applies to the
 server and the upstream worker too).

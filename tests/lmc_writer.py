@@ -4,7 +4,7 @@ Its stores are what a real GPU engine's look like to the server (docs/protocol.m
 announced as ``stored`` KV events (SDK stores are not). Used by the events tests and the
 fleet's events index test; it needs ``lmcache`` (a test dependency), imported on use. A
 server from another venv (``LMCACHE_KV_FAST_TEST_SERVER``, e.g. 0.5.7rc2) gets a writer
-running that venv's ``lmcache`` in a child process (``testing.compat.TheirSDK``).
+running that venv's ``lmcache`` in a child process (``testbed.compat.TheirSDK``).
 """
 
 from __future__ import annotations

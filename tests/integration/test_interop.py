@@ -2,7 +2,7 @@
 
 The oracle is the server version's own SDK: the main venv's ``lmcache`` in-process for its
 0.5.6 server, that version's in a child process of its venv for another
-(``LMCACHE_KV_FAST_TEST_SERVER``, ``testing.compat.TheirContext``).
+(``LMCACHE_KV_FAST_TEST_SERVER``, ``testbed.compat.TheirContext``).
 """
 
 from __future__ import annotations
