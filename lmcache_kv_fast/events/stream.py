@@ -7,7 +7,8 @@ batch is acknowledged when the consumer asks for the next one (the server sends 
 batch only after that ack); a ``ping`` thread keeps the subscription alive against the
 server's reaper; a lost connection is resumed at the cursor; a server restart is surfaced
 as ``batch.incarnation_changed`` (and the stream restarts from cursor 0 of the new server).
-The socket work lives in :mod:`lmcache_kv_fast.events.stream_io`.
+The wire work lives in :mod:`lmcache_kv_fast.events.stream_io`, the ping thread in
+:mod:`lmcache_kv_fast.events.keepalive`; the sockets are ``transport/``'s.
 """
 
 from __future__ import annotations

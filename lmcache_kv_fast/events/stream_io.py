@@ -1,10 +1,12 @@
-"""The socket half of a KV-event subscription: frames in, batches out (docs/protocol.md §2.2, §2.6).
+"""The wire half of a KV-event subscription: frames in, batches out (docs/protocol.md §2.2, §2.6).
 
-:class:`KVEventBatch` is what a subscription yields; :class:`_StreamIO` is the base of
-:class:`~lmcache_kv_fast.events.stream.KVEventSubscription` that speaks the wire: the
-``get_experimental`` capability probe, ``subscribe_kv_events`` requests, the socket
-monitor's disconnect / reconnect (resubscribe at the received cursor), end markers, and
-the incarnation check after a reconnect.
+:class:`KVEventBatch` is what a subscription yields (the server's
+:class:`~lmcache_kv_fast.protocol.types.WireKVEventBatch` plus ``incarnation_changed``);
+:class:`_StreamIO` is the base of :class:`~lmcache_kv_fast.events.stream.KVEventSubscription`
+that speaks the wire over a :class:`~lmcache_kv_fast.transport.zmq_socket.Dealer`: the
+``get_experimental`` capability probe, ``subscribe_kv_events`` requests, ack / cancel
+frames, disconnect / reconnect (resubscribe at the received cursor), end markers, and the
+incarnation check after a reconnect. Its state is one :class:`_WireState`.
 """
 
 from __future__ import annotations
