@@ -30,9 +30,10 @@ import time
 from lmcache_kv_fast.client.handshake import CONNECT_PROBE_TIMEOUT_S
 from lmcache_kv_fast.client.late import LATE_POLL_S
 from lmcache_kv_fast.client.state import SessionState
-from lmcache_kv_fast.errors import ContextClosedError, KVCacheSDKError, ServerTimeoutError
+from lmcache_kv_fast.errors import ContextClosedError, ServerTimeoutError
 from lmcache_kv_fast.protocol.ops import Op
-from lmcache_kv_fast.transport.zmq_client import Channel, PendingCall
+from lmcache_kv_fast.transport.heartbeat import Beat, ping_interval
+from lmcache_kv_fast.transport.zmq_client import Channel
 
 logger = logging.getLogger(__name__)
 
@@ -42,13 +43,6 @@ RELEASE_COLLECT_S = 0.01
 RELEASE_IDLE_CHECK_S = 0.5
 #: The writer registration is refreshed at least this often (seconds).
 WRITER_REFRESH_MAX_S = 900.0
-
-
-def heartbeat_interval(reap_timeout_s: float) -> float | None:
-    """Seconds between pings: a quarter of the reap timeout (None: the server never reaps)."""
-    if reap_timeout_s <= 0:
-        return None
-    return max(1.0, min(reap_timeout_s / 4.0, 30.0))
 
 
 class Background:
@@ -74,7 +68,7 @@ class Background:
         first interval is reaped after the reap timeout, not after the registration grace.
         """
         s = self._s
-        self._interval = heartbeat_interval(s.reap_timeout_s)
+        self._interval = ping_interval(s.reap_timeout_s)
         if self._interval is None:
             return
         assert s.zmq is not None
@@ -133,15 +127,17 @@ class Background:
             return
         interval = self._interval
         refresh = self._writer_refresh_s() if interval is not None else None
-        now = time.monotonic()
-        due = {"ping": now + interval if interval is not None else math.inf,
-               "refresh": now + refresh if refresh is not None else math.inf}
-        outstanding: dict[str, PendingCall] = {}
+        beats: list[Beat] = []
+        if interval is not None:
+            beats.append(Beat(Op.PING, [s.instance_id], interval, "heartbeat ping", s.url))
+        if refresh is not None:
+            beats.append(Beat(Op.REGISTER_ENGINE_DRIVEN, [s.writer_payload], refresh,
+                              "writer re-registration", s.url))
         ch: Channel | None = None
         while True:
             rel = s.releases
             late = s.late
-            timeout = min(due.values()) - time.monotonic()
+            timeout = min((b.due_at for b in beats), default=math.inf) - time.monotonic()
             if rel is not None and rel.pending():
                 timeout = min(timeout, RELEASE_COLLECT_S)
             elif rel is not None:  # a safety net: look again now and then
@@ -156,29 +152,7 @@ class Background:
             if rel is not None and rel.pending():
                 rel.collect()
             now = time.monotonic()
-            for what in ("ping", "refresh"):
-                if now < due[what]:
-                    continue
-                ch = ch or zmq_client.channel()
-                self._send(ch, what, outstanding)
-                due[what] = now + (interval if what == "ping" else refresh)  # type: ignore[operator]
-
-    def _send(self, ch: Channel, what: str, outstanding: dict[str, PendingCall]) -> None:
-        """Send a ping / writer re-registration; report if the previous one got no reply."""
-        s = self._s
-        prev = outstanding.pop(what, None)
-        if prev is not None:
-            if ch.ready(prev):
-                try:
-                    ch.wait(prev, None, 0.0)
-                except KVCacheSDKError as err:
-                    logger.warning("%s to %s: bad reply: %s", what, s.url, err)
-            else:
-                ch.discard(prev)
-                logger.warning("%s to %s got no reply within %gs", "heartbeat ping"
-                               if what == "ping" else "writer re-registration", s.url,
-                               time.monotonic() - prev.sent_at)
-        if what == "ping":
-            outstanding[what] = ch.send(Op.PING, [s.instance_id])
-        else:
-            outstanding[what] = ch.send(Op.REGISTER_ENGINE_DRIVEN, [s.writer_payload])
+            for beat in beats:
+                if beat.due(now):
+                    ch = ch or zmq_client.channel()
+                    beat.send(ch, now)

@@ -15,8 +15,9 @@ Three layers (docs/protocol.md §2.6, §9):
 
 Modules (arrows point one way: ``cli → publisher → {stream, announce, vllm_format}``):
 :mod:`.common` (shared vocabulary), :mod:`.endpoint` (:class:`EventsEndpoint`, target
-helpers), :mod:`.stream_io` (the subscription's socket half, :class:`KVEventBatch`),
-:mod:`.stream` (:func:`subscribe`, ping loop), :mod:`.announce` (listeners, hashing),
+helpers), :mod:`.stream_io` (the subscription's wire half, :class:`KVEventBatch`),
+:mod:`.keepalive` (the ping thread), :mod:`.stream` (:func:`subscribe`),
+:mod:`.stream_grpc` (the gRPC subscription), :mod:`.announce` (listeners, hashing),
 :mod:`.vllm_format` (vLLM structs, mapper), :mod:`.publisher`, :mod:`.cli` (loaded only
 when :func:`events_main` runs). Nothing here imports ``lmcache``; ``blake3`` is needed only
 for announcements (optional dependency).

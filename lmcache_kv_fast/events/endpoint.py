@@ -3,7 +3,7 @@
 A subscription's target is an :class:`~lmcache_kv_fast.client.context.LMCacheKVCacheContext` or
 an :class:`EventsEndpoint` (a server probed over HTTP without registering a KV layout).
 The helpers here validate endpoint arguments and read what the stream needs of the target
-(closed or not, the server's reaper timeout and the ping interval it implies, docs/protocol.md §3.11).
+(closed or used after ``fork()``, the server's reaper timeout, docs/protocol.md §3.11).
 """
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
-from lmcache_kv_fast.errors import InvalidArgumentError, KVCacheSDKError
+from lmcache_kv_fast.errors import ContextClosedError, InvalidArgumentError, KVCacheSDKError
 from lmcache_kv_fast.events.common import _PROBE_TIMEOUT_S
 from lmcache_kv_fast.hashing import HASH_ALGORITHM
 from lmcache_kv_fast.protocol.constants import DEFAULT_REAP_TIMEOUT_S, FORBIDDEN_MODEL_CHARS
@@ -112,13 +112,6 @@ def _reap_from_mp(mp: dict[str, Any]) -> float:
     return float(v)
 
 
-def _ping_interval(reap_timeout_s: float) -> float | None:
-    """Ping often enough that the reaper never closes a live subscription (docs/protocol.md §3.11)."""
-    if reap_timeout_s <= 0:
-        return None
-    return max(1.0, min(reap_timeout_s / 4.0, 30.0))
-
-
 def _target_closed(target: Any) -> bool:
     try:
         return bool(getattr(target, "closed", False))
@@ -136,3 +129,17 @@ def _target_reap_timeout(target: Any) -> float:
     except (KVCacheSDKError, AttributeError, KeyError, TypeError):
         return DEFAULT_REAP_TIMEOUT_S
     return _reap_from_mp(mp)
+
+
+def check_target(target: Any) -> None:
+    """Refuse a closed target or one used after ``fork()`` (before anything is created).
+
+    Raises:
+        ContextClosedError: ``target`` is closed.
+        KVCacheSDKError: It belongs to another process.
+    """
+    check_process = getattr(target, "_check_process", None)
+    if check_process is not None:
+        check_process()
+    if _target_closed(target):
+        raise ContextClosedError(f"the SDK context for {target.url} is closed")

@@ -1,7 +1,7 @@
 """Republish KV events in vLLM's wire format: :class:`VllmZmqPublisher`, :class:`KVEventPublisher`.
 
 :class:`VllmZmqPublisher` is vLLM's ``ZmqEventPublisher`` wire behaviour (ZMQ PUB multipart
-``(topic, seq:8 bytes big-endian, msgpack KVEventBatch)`` plus the optional ROUTER replay
+``(topic, seq:8 bytes big-endian, msgpack vLLM KVEventBatch)`` plus the optional ROUTER replay
 socket). :class:`KVEventPublisher` feeds it from both sources of a model's events - the
 server's stream (:mod:`lmcache_kv_fast.events.stream`) and this SDK's store announcements
 (:mod:`lmcache_kv_fast.events.announce`) - through one
@@ -179,22 +179,17 @@ PublishHook = Callable[[int, VllmKVEventBatch], None]
 
 
 class KVEventPublisher:
-    """Republish a model's KV events in vLLM's wire format (docs/protocol.md §9).
+    """Republish a model's KV events in vLLM's wire format (docs/events.md, protocol.md §9).
 
-    Sources: the server's event stream of the model (a :class:`KVEventSubscription`) and,
-    when the publisher runs in the process that stores, this SDK's own store announcements
-    (the server records no ``stored`` event for them). Both go through one
-    :class:`VllmEventMapper`, so a chunk is announced once whichever source saw it first.
-    When the stream is lost or ended, or the server restarts, everything announced is
-    withdrawn and the stream restarts at cursor 0 (like LMCache's vLLM adapter).
-
-    Run it with :meth:`run` (blocking; returns after :meth:`stop`) or :meth:`start` (a
-    background thread); :meth:`stop` closes everything. A context manager starts/stops it.
+    Why: the server records no ``stored`` event for SDK stores, so a router following its
+    stream never sees them. This merges the server's stream with this process's store
+    announcements through one :class:`VllmEventMapper` (each chunk announced once) and
+    withdraws everything on a lost or ended stream or a server restart. :meth:`run`
+    blocks, :meth:`start` runs it in a thread, :meth:`stop` closes; a context manager too.
 
     Args:
-        source: An :class:`~lmcache_kv_fast.client.context.LMCacheKVCacheContext`, an
-            :class:`EventsEndpoint`, or a ZMQ URL (then ``http_url`` and ``model_name``
-            are required).
+        source: A context, an :class:`EventsEndpoint`, or a ZMQ URL (with ``http_url``
+            and ``model_name``).
         http_url: HTTP URL of the server when ``source`` is a URL.
         model_name: Model when ``source`` is a URL.
         publish: PUB endpoint (bound, see :class:`VllmZmqPublisher`).
@@ -203,12 +198,8 @@ class KVEventPublisher:
         cursor: Server cursor to start from (0: replay the retained log).
         max_events: Records per server batch.
         timeout: Probe timeout in seconds when ``source`` is a URL.
-        wire_format: ``"array"`` (vLLM <= 0.23, default) or ``"map"``.
-        int_block_hashes: Publish hashes as 64-bit ints like vLLM's
-            ``VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES``.
-        data_parallel_rank: ``data_parallel_rank`` of every batch (vLLM sets its rank).
-        buffer_steps: Replay buffer size.
-        hwm: PUB high-water mark.
+        wire_format, int_block_hashes, data_parallel_rank, buffer_steps, hwm: vLLM's
+            publisher options (docs/events.md).
         announce_local: Also publish this process's SDK stores of the model.
         on_publish: Called as ``on_publish(seq, batch)`` after each published batch.
 

@@ -7,41 +7,35 @@ batch is acknowledged when the consumer asks for the next one (the server sends 
 batch only after that ack); a ``ping`` thread keeps the subscription alive against the
 server's reaper; a lost connection is resumed at the cursor; a server restart is surfaced
 as ``batch.incarnation_changed`` (and the stream restarts from cursor 0 of the new server).
-The socket work lives in :mod:`lmcache_kv_fast.events.stream_io`.
+The wire work lives in :mod:`lmcache_kv_fast.events.stream_io`, the ping thread in
+:mod:`lmcache_kv_fast.events.keepalive`; the sockets are ``transport/``'s.
 """
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import secrets
 import threading
 import time
-import weakref
 from typing import Any
 
 import zmq
 
 from lmcache_kv_fast.errors import (
-    ContextClosedError,
     InvalidArgumentError,
     InvalidTypeError,
     KVCacheSDKError,
 )
 from lmcache_kv_fast.events.common import _PROBE_TIMEOUT_S
-from lmcache_kv_fast.events.endpoint import (
-    _check_seconds,
-    _ping_interval,
-    _target_closed,
-    _target_reap_timeout,
-)
-from lmcache_kv_fast.events.stream_grpc import GrpcKVEventSubscription, check_target
+from lmcache_kv_fast.events.endpoint import _check_seconds, _target_closed, check_target
+from lmcache_kv_fast.events.keepalive import start_keepalive
+from lmcache_kv_fast.events.stream_grpc import GrpcKVEventSubscription
 from lmcache_kv_fast.events.stream_io import (
     _POLL_SLICE_S,
-    _UIDS,
     KVEventBatch,
     _StreamIO,
-    send_stream_control,
+    _WireState,
+    stream_control,
 )
 from lmcache_kv_fast.events.surface import SubscriptionSurface
 from lmcache_kv_fast.protocol import codec
@@ -53,17 +47,15 @@ from lmcache_kv_fast.protocol.constants import (
 )
 from lmcache_kv_fast.protocol.ops import Generation, Op
 from lmcache_kv_fast.transport.urls import GRPC_SCHEMES
-from lmcache_kv_fast.transport.zmq_client import connect_socket
+from lmcache_kv_fast.transport.zmq_client import ZmqClient
+from lmcache_kv_fast.transport.zmq_socket import STREAM_OPTIONS, Dealer
 
 logger = logging.getLogger("lmcache_kv_fast.events")
 
-#: The ping thread wakes this often (it also watches the context).
-_PINGER_SLICE_S = 0.1
 #: close() waits this long for the server's end marker after ``cancel``.
 DEFAULT_CLOSE_TIMEOUT_S = 1.0
-#: ZMTP heartbeats on the stream socket detect a silently dead server (ms).
-_HEARTBEAT_IVL_MS = 2000
-_HEARTBEAT_TIMEOUT_MS = 6000
+#: The stream watches its connection: resubscribe after a disconnect, once reconnected.
+_STREAM_EVENTS = zmq.EVENT_CONNECTED | zmq.EVENT_DISCONNECTED
 
 
 def subscribe(ctx: Any, *, cursor: int = 0, max_events: int = MAX_EVENTS_PER_BATCH,
@@ -177,92 +169,52 @@ class KVEventSubscription(_StreamIO, SubscriptionSurface):
 
     def __init__(self, target: Any, *, cursor: int = 0, max_events: int = MAX_EVENTS_PER_BATCH,
                  timeout: float | None = None, instance_id: int | None = None) -> None:
-        self._closed = True  # until the socket exists (for __del__)
-        self._finished = True
+        self._closed = self._finished = True  # until the sockets exist (for __del__)
         _check_subscribe_args(cursor, max_events, timeout, instance_id)
         gen = _stream_generation(target)
-        check_process = getattr(target, "_check_process", None)
-        if check_process is not None:  # a context made before fork(): refused here at once
-            check_process()
-        if _target_closed(target):
-            raise ContextClosedError(f"the SDK context for {target.url} is closed")
+        check_target(target)
+        self._init_state(target, gen, cursor, max_events, timeout, instance_id)
+        probe = min(_PROBE_TIMEOUT_S, float(getattr(target, "timeout", _PROBE_TIMEOUT_S)))
+        # The control client carries the pings; the stream has a DEALER of its own.
+        self._client = ZmqClient(self.url, gen, probe)
+        self._closed = self._finished = False
+        try:
+            self._conn = Dealer(self._client.zmq_context, self._client.endpoint,
+                                options=STREAM_OPTIONS, events=_STREAM_EVENTS)
+            with self._lock:
+                self._open(cursor, probe)
+            self._pinger = start_keepalive(self, self._client, target, self._stop)
+        except BaseException:
+            self.close(timeout=0.2)
+            raise
+        logger.info("subscribed to KV events of %r on %s (instance %d, cursor %d)",
+                    self.model_name, self.url, self.instance_id, cursor)
+
+    def _init_state(self, target: Any, gen: Generation, cursor: int, max_events: int,
+                    timeout: float | None, instance_id: int | None) -> None:
+        """The subscription's identity, what its user sees, its threads' and the wire's state."""
         self._target = target
         self._gen = gen
         self.url: str = target.url
         self.model_name: str = target.model_name
         self.max_events = max_events
         self.instance_id: int = instance_id or (secrets.randbits(INSTANCE_ID_BITS) or 1)
+        self._op_frame = codec.encode(gen.op_frame_value(Op.SUBSCRIBE_KV_EVENTS))
+        # what SubscriptionSurface shows
         self._timeout = None if timeout is None else float(timeout)
-        probe = min(_PROBE_TIMEOUT_S, float(getattr(target, "timeout", _PROBE_TIMEOUT_S)))
-
+        self._cursor = cursor
+        self._incarnation: int | None = None
+        self._ended = False
+        self._error: KVCacheSDKError | None = None
+        self.end_reason: str | None = None
+        # threads and closing
         self._lock = threading.RLock()
         self._finish_lock = threading.Lock()
         self._stop = threading.Event()
         self._close_requested = False
-        self._op_frame = codec.encode(gen.op_frame_value(Op.SUBSCRIBE_KV_EVENTS))
-        self._stream_uid: bytes | None = None
-        self._sent_cursor = cursor
-        self._check_resync = False
-        self._need_resubscribe = False
-        self._pending: tuple[bytes, KVEventBatch] | None = None
-        self._unacked_uid: bytes | None = None
-        self._last_incarnation: int | None = None
-        self._recv_cursor = cursor
-        self._cursor = cursor
-        self._incarnation: int | None = None
-        self._ended = False
-        self._cancelling = False
-        self._cancel_done = False
-        self._error: KVCacheSDKError | None = None
-        self._call_uid: bytes | None = None
-        self._call_reply: list[bytes] | None = None
-        self.end_reason: str | None = None
         self._pinger: threading.Thread | None = None
-
-        self._zctx = zmq.Context(io_threads=1)
-        self._sock = self._zctx.socket(zmq.DEALER)
-        self._closed = False
-        self._finished = False
-        try:
-            for opt, val in ((zmq.LINGER, 0), (zmq.RECONNECT_IVL, 100),
-                             (zmq.RECONNECT_IVL_MAX, 1000),
-                             (zmq.HEARTBEAT_IVL, _HEARTBEAT_IVL_MS),
-                             (zmq.HEARTBEAT_TIMEOUT, _HEARTBEAT_TIMEOUT_MS)):
-                self._sock.setsockopt(opt, val)
-            self._monitor = self._sock.get_monitor_socket(
-                zmq.EVENT_CONNECTED | zmq.EVENT_DISCONNECTED)
-            self._poller = zmq.Poller()
-            self._poller.register(self._sock, zmq.POLLIN)
-            self._poller.register(self._monitor, zmq.POLLIN)
-            connect_socket(self._sock, self.url)
-            with self._lock:
-                self._check_capability(probe)
-                self._send_subscribe(cursor)
-                deadline = time.monotonic() + probe
-                while self._pending is None and not self._ended and self._error is None:
-                    left = deadline - time.monotonic()
-                    if left <= 0:
-                        raise KVCacheSDKError(
-                            f"subscribe_kv_events on {self.url} got no first batch within "
-                            f"{probe:g}s (the server sends one at once; see its log)"
-                        )
-                    self._pump(min(left, _POLL_SLICE_S))
-                if self._error is not None:
-                    raise self._error
-            interval = _ping_interval(_target_reap_timeout(target))
-            # The thread holds only a weak reference: a subscription dropped without
-            # close() is garbage-collected and then closes itself (__del__).
-            self._pinger = threading.Thread(
-                target=_ping_loop, args=(weakref.ref(self), self._zctx, self._stop, target,
-                                         interval), daemon=True,
-                name=f"lmcache-kv-fast-events-{self.instance_id:x}",
-            )
-            self._pinger.start()
-        except BaseException:
-            self.close(timeout=0.2)
-            raise
-        logger.info("subscribed to KV events of %r on %s (instance %d, cursor %d)",
-                    self.model_name, self.url, self.instance_id, cursor)
+        self._conn: Dealer | None = None
+        self._w = _WireState(sent_cursor=cursor, recv_cursor=cursor)
 
     def _next(self, timeout: float | None) -> KVEventBatch | None:
         deadline = None if timeout is None else time.monotonic() + timeout
@@ -280,7 +232,7 @@ class KVEventSubscription(_StreamIO, SubscriptionSurface):
                     break
                 try:
                     self._ack_if_due()
-                    if self._pending is not None:
+                    if self._w.pending is not None:
                         result = self._take()
                         break
                     if self._error is not None:
@@ -311,19 +263,19 @@ class KVEventSubscription(_StreamIO, SubscriptionSurface):
         return result
 
     def _take(self) -> KVEventBatch:
-        assert self._pending is not None
-        uid, batch = self._pending
-        self._pending = None
-        self._unacked_uid = uid
+        assert self._w.pending is not None
+        uid, batch = self._w.pending
+        self._w.pending = None
+        self._w.unacked_uid = uid
         self._cursor = batch.next_cursor
         self._incarnation = batch.incarnation
         return batch
 
     def _ack_if_due(self) -> None:
-        if self._unacked_uid is not None:
-            if self._unacked_uid == self._stream_uid and not self._ended:
-                send_stream_control(self._sock, self._unacked_uid, STREAM_ACK)
-            self._unacked_uid = None
+        if self._w.unacked_uid is not None:
+            if self._w.unacked_uid == self._w.stream_uid and not self._ended:
+                self._send(stream_control(self._w.unacked_uid, STREAM_ACK))
+            self._w.unacked_uid = None
 
     # ------------------------------------------------------------------ closing
     def close(self, timeout: float = DEFAULT_CLOSE_TIMEOUT_S) -> None:
@@ -345,26 +297,22 @@ class KVEventSubscription(_StreamIO, SubscriptionSurface):
             return
         self._stop.set()
         try:
-            if self._stream_uid is not None and not self._ended and self._error is None:
-                self._cancelling = True
-                send_stream_control(self._sock, self._stream_uid, STREAM_CANCEL)
+            if self._w.stream_uid is not None and not self._ended and self._error is None:
+                self._w.cancelling = True
+                self._send(stream_control(self._w.stream_uid, STREAM_CANCEL))
                 deadline = time.monotonic() + timeout
-                while not self._cancel_done and (left := deadline - time.monotonic()) > 0:
+                while not self._w.cancel_done and (left := deadline - time.monotonic()) > 0:
                     self._pump(min(left, _POLL_SLICE_S))
-                if not self._cancel_done:
+                if not self._w.cancel_done:
                     logger.debug("no end marker from %s within %gs after cancel", self.url,
                                  timeout)
         except zmq.ZMQError as err:
             logger.debug("cancel of the KV event stream failed: %s", err)
         finally:
             self._closed = True
-            self._pending = None
-            with contextlib.suppress(zmq.ZMQError):
-                self._sock.disable_monitor()
-            with contextlib.suppress(AttributeError, zmq.ZMQError):
-                self._monitor.close(linger=0)
-            with contextlib.suppress(zmq.ZMQError):
-                self._sock.close(linger=0)
+            self._w.pending = None
+            if self._conn is not None:
+                self._conn.close()
 
     def _finish(self) -> None:
         with self._finish_lock:
@@ -377,50 +325,4 @@ class KVEventSubscription(_StreamIO, SubscriptionSurface):
             if pinger.is_alive():  # pragma: no cover - never seen
                 logger.warning("KV event ping thread did not stop; leaving its ZMQ context")
                 return
-        self._zctx.term()
-
-def _ping_loop(ref: weakref.ref[KVEventSubscription], zctx: zmq.Context,
-               stop: threading.Event, target: Any, interval: float | None) -> None:
-    """Ping the subscription's instance id; close the subscription when ``target`` closes."""
-    sub = ref()
-    if sub is None:
-        return
-    url, instance_id = sub.url, sub.instance_id
-    ping_op = codec.encode(sub._gen.op_frame_value(Op.PING))
-    del sub
-    payload = codec.encode(instance_id)
-    sock = zctx.socket(zmq.DEALER)
-    close_target = False
-    try:
-        sock.setsockopt(zmq.LINGER, 0)
-        connect_socket(sock, url)
-        next_ping = time.monotonic() + (interval or 0.0)
-        last_pong = time.monotonic()
-        warned = False
-        while not stop.wait(_PINGER_SLICE_S):
-            if ref() is None:
-                break
-            if _target_closed(target):
-                close_target = True
-                break
-            now = time.monotonic()
-            if interval is not None and now >= next_ping:
-                sock.send_multipart([codec.encode(next(_UIDS)), ping_op, payload])
-                next_ping = now + interval
-                if now - last_pong > 2.5 * interval and not warned:
-                    warned = True
-                    logger.warning("KV event subscription %d: pings to %s go unanswered",
-                                   instance_id, url)
-            while sock.poll(0):
-                sock.recv_multipart()
-                last_pong, warned = now, False
-    except zmq.ZMQError as err:
-        logger.debug("KV event ping thread stopped: %s", err)
-    finally:
-        sock.close(linger=0)
-    sub = ref() if close_target else None
-    if sub is not None:
-        logger.info("KV event subscription %d: the context was closed; closing", instance_id)
-        if sub.end_reason is None:
-            sub.end_reason = "the SDK context was closed"
-        sub.close()
+        self._client.close()

@@ -25,13 +25,10 @@ import time
 from collections.abc import Iterator
 from typing import Any
 
-from lmcache_kv_fast.errors import (
-    ContextClosedError,
-    KVCacheSDKError,
-    ProtocolError,
-)
+from lmcache_kv_fast.errors import KVCacheSDKError, ProtocolError
 from lmcache_kv_fast.events.common import _PROBE_TIMEOUT_S, KV_EVENT_CAPABILITY
-from lmcache_kv_fast.events.endpoint import _ping_interval, _target_closed, _target_reap_timeout
+from lmcache_kv_fast.events.endpoint import _target_closed
+from lmcache_kv_fast.events.keepalive import start_keepalive
 from lmcache_kv_fast.events.stream_io import _POLL_SLICE_S, KVEventBatch
 from lmcache_kv_fast.events.surface import SubscriptionSurface
 from lmcache_kv_fast.protocol.constants import INSTANCE_ID_BITS
@@ -94,10 +91,7 @@ class GrpcKVEventSubscription(SubscriptionSurface):
                 raise KVCacheSDKError(
                     f"SubscribeKvEvents on {self.url} got no first batch within {probe:g}s "
                     "(the server sends one at once; see its log)")
-            self._pinger = threading.Thread(
-                target=self._ping_loop, args=(_ping_interval(_target_reap_timeout(target)),),
-                daemon=True, name=f"lmcache-kv-fast-events-ping-{self.instance_id:x}")
-            self._pinger.start()
+            self._pinger = start_keepalive(self, self._client, target, self._stop)
         except BaseException:
             self.close()
             raise
@@ -181,23 +175,6 @@ class GrpcKVEventSubscription(SubscriptionSurface):
                 self._queue.put(item, timeout=_POLL_SLICE_S)
                 return
 
-    def _ping_loop(self, interval: float | None) -> None:
-        """Ping the instance id every ``interval`` s; stop the stream when the target closes."""
-        next_ping = time.monotonic() + (interval or 0.0)
-        while not self._stop.wait(_POLL_SLICE_S):
-            if _target_closed(self._target):
-                logger.info("KV event subscription %d: the context was closed; closing",
-                            self.instance_id)
-                self.end_reason = self.end_reason or "the SDK context was closed"
-                self.close()
-                return
-            if interval is not None and time.monotonic() >= next_ping:
-                next_ping = time.monotonic() + interval
-                try:
-                    self._client.call(Op.PING, [self.instance_id], None, interval)
-                except KVCacheSDKError as err:
-                    logger.debug("KV event ping to %s failed: %s", self.url, err)
-
     def _next(self, timeout: float | None) -> KVEventBatch | None:
         first = getattr(self, "_first", None)
         if first is not None:
@@ -263,17 +240,3 @@ class _ReadState:
         self.cursor = cursor
         self.incarnation: int | None = None
         self.resync = False
-
-
-def check_target(target: Any) -> None:
-    """Refuse a closed target or one used after ``fork()`` (before anything is created).
-
-    Raises:
-        ContextClosedError: ``target`` is closed.
-        KVCacheSDKError: It belongs to another process.
-    """
-    check_process = getattr(target, "_check_process", None)
-    if check_process is not None:
-        check_process()
-    if _target_closed(target):
-        raise ContextClosedError(f"the SDK context for {target.url} is closed")

@@ -1,11 +1,13 @@
 """vLLM's KV-events wire format and the mapper from MP-server records to vLLM events.
 
 The structs mirror ``vllm/distributed/kv_events.py`` (``BlockStored``, ``BlockRemoved``,
-``AllBlocksCleared``, ``KVEventBatch``); :func:`encode_vllm_batch` writes the positional
-(``"array"``) or the tagged-map (``"map"``) payload. :class:`VllmEventMapper` maps records
-the way LMCache's vLLM adapter does (docs/protocol.md §9): ``stored`` ⇒ ``BlockStored`` for
-hashes not announced yet, ``removed`` ⇒ ``BlockRemoved`` of the announced subset, ``lost``
-/ a new server incarnation / a withdraw ⇒ one ``BlockRemoved`` of everything announced.
+``AllBlocksCleared``, and vLLM's ``KVEventBatch`` as :class:`VllmKVEventBatch`, so that
+``KVEventBatch`` in this package is only the server's batch a subscription yields);
+:func:`encode_vllm_batch` writes the positional (``"array"``) or the tagged-map
+(``"map"``) payload. :class:`VllmEventMapper` maps records the way LMCache's vLLM adapter
+does (docs/protocol.md §9): ``stored`` ⇒ ``BlockStored`` for hashes not announced yet,
+``removed`` ⇒ ``BlockRemoved`` of the announced subset, ``lost`` / a new server
+incarnation / a withdraw ⇒ one ``BlockRemoved`` of everything announced.
 """
 
 from __future__ import annotations
@@ -59,7 +61,11 @@ VllmEvent = BlockStored | BlockRemoved | AllBlocksCleared
 
 
 class VllmKVEventBatch(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
-    """vLLM ``KVEventBatch``: ``[ts, events, data_parallel_rank]`` on the wire."""
+    """vLLM's wire record ``KVEventBatch``: ``[ts, events, data_parallel_rank]`` on the wire.
+
+    Renamed here (the fields and encoding are vLLM's): ``KVEventBatch`` of this package is
+    the LMCache server's batch (:class:`lmcache_kv_fast.events.KVEventBatch`).
+    """
 
     ts: float
     events: list[VllmEvent]
@@ -133,7 +139,7 @@ class VllmEventMapper:
     def _ext(self, h: bytes) -> ExternalBlockHash:
         return _int_hash(h) if self.int_block_hashes else h
 
-    def on_batch(self, batch: _wire.KVEventBatch) -> list[VllmEvent]:
+    def on_batch(self, batch: _wire.WireKVEventBatch) -> list[VllmEvent]:
         """Map one server batch (withdraw first when it says so)."""
         out: list[VllmEvent] = []
         changed = getattr(batch, "incarnation_changed", False) or (

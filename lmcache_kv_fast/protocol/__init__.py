@@ -13,13 +13,13 @@ from lmcache_kv_fast.protocol.ops import GENERATIONS, Generation, Op, generation
 from lmcache_kv_fast.protocol.types import (
     EngineGroupInfo,
     IPCCacheServerKey,
-    KVEventBatch,
     KVEventRecord,
     PrepareRetrieveResponse,
     PrepareStoreResponse,
     RegisterEngineDrivenContextPayload,
     RegisterEngineDrivenContextResponse,
     Slot,
+    WireKVEventBatch,
 )
 
 __all__ = [
@@ -31,7 +31,6 @@ __all__ = [
     "EngineGroupInfo",
     "Generation",
     "IPCCacheServerKey",
-    "KVEventBatch",
     "KVEventRecord",
     "Op",
     "PrepareRetrieveResponse",
@@ -39,5 +38,6 @@ __all__ = [
     "RegisterEngineDrivenContextPayload",
     "RegisterEngineDrivenContextResponse",
     "Slot",
+    "WireKVEventBatch",
     "generation_for",
 ]

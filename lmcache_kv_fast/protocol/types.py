@@ -114,8 +114,12 @@ class KVEventRecord(msgspec.Struct, kw_only=True):
     token_ids: list[int] = []
 
 
-class KVEventBatch(msgspec.Struct, kw_only=True):
-    """One batch of the KV event stream (docs/protocol.md §4.5, §9)."""
+class WireKVEventBatch(msgspec.Struct, kw_only=True):
+    """One batch of the KV event stream as the server sends it (docs/protocol.md §4.5, §9).
+
+    Subscriptions yield :class:`lmcache_kv_fast.events.KVEventBatch`, this record plus
+    what the client adds (``incarnation_changed``).
+    """
 
     enabled: bool
     incarnation: int

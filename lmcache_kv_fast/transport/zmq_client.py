@@ -22,14 +22,14 @@ import zmq
 
 from lmcache_kv_fast.errors import (
     ContextClosedError,
-    InvalidArgumentError,
     ProtocolError,
     ServerTimeoutError,
 )
 from lmcache_kv_fast.protocol import codec
 from lmcache_kv_fast.protocol.ops import Generation, Op
 from lmcache_kv_fast.transport.registry import ChannelBase, ChannelRegistry
-from lmcache_kv_fast.transport.urls import Endpoint, parse_zmq_url
+from lmcache_kv_fast.transport.urls import parse_zmq_url
+from lmcache_kv_fast.transport.zmq_socket import CHANNEL_OPTIONS, Dealer
 
 logger = logging.getLogger(__name__)
 
@@ -61,19 +61,9 @@ class Channel(ChannelBase):
 
     def __init__(self, client: ZmqClient, *, bound: bool = True) -> None:
         super().__init__(client, bound)
-        self._monitor: zmq.Socket | None = None
-        self.sock: zmq.Socket = client.zmq_context.socket(zmq.DEALER)
-        try:
-            self.sock.setsockopt(zmq.LINGER, 0)
-            self.sock.setsockopt(zmq.RCVHWM, 0)
-            self.sock.setsockopt(zmq.SNDHWM, 0)
-            # Disconnects (server killed or restarted) are noticed here; see peer_lost().
-            self._monitor = self.sock.get_monitor_socket(zmq.EVENT_DISCONNECTED)
-            connect_socket(self.sock, client.endpoint)
-        except BaseException:
-            # An open socket would make zmq_context.term() (close) block forever.
-            self.close()
-            raise
+        # Disconnects (server killed or restarted) are noticed by its monitor; see peer_lost().
+        self._dealer = Dealer(client.zmq_context, client.endpoint, options=CHANNEL_OPTIONS)
+        self.sock: zmq.Socket = self._dealer.sock
         self._inflight: dict[bytes, PendingCall] = {}
         self._parked: dict[bytes, list[Any]] = {}
 
@@ -264,23 +254,11 @@ class Channel(ChannelBase):
 
         It drops when the server is killed or restarted; the socket reconnects by itself.
         """
-        lost = False
-        mon = self._monitor
-        while mon is not None and mon.poll(0):
-            mon.recv_multipart()
-            lost = True
-        return lost
+        return bool(self._dealer.connection_events())
 
     def close(self) -> None:
         """Close the socket (only from the owning thread or after it is gone)."""
-        mon, self._monitor = self._monitor, None
-        if mon is not None:
-            with contextlib.suppress(zmq.ZMQError):
-                self.sock.disable_monitor()
-            with contextlib.suppress(zmq.ZMQError):
-                mon.close(linger=0)
-        with contextlib.suppress(zmq.ZMQError):
-            self.sock.close(linger=0)
+        self._dealer.close()
 
 
 class ZmqClient(ChannelRegistry[Channel]):
@@ -349,21 +327,6 @@ class ZmqClient(ChannelRegistry[Channel]):
         """Close every channel and the ZMQ context. Idempotent."""
         if self._close_channels():
             self.zmq_context.term()
-
-
-def connect_socket(sock: zmq.Socket, endpoint: Endpoint | str) -> None:
-    """Connect ``sock`` to the server at ``endpoint`` (IPv6 literals need ``zmq.IPV6``).
-
-    Raises:
-        InvalidArgumentError: ZMQ refuses the address (the socket is left to the caller).
-    """
-    ep = endpoint if isinstance(endpoint, Endpoint) else parse_zmq_url(endpoint)
-    if ep.ipv6:
-        sock.setsockopt(zmq.IPV6, 1)
-    try:
-        sock.connect(ep.url)
-    except zmq.ZMQError as err:
-        raise InvalidArgumentError(f"ZMQ cannot connect to {ep.url!r}: {err}") from err
 
 
 def decode_any(frame: bytes) -> Any:

@@ -94,6 +94,7 @@ class FakeServer:
                  incarnation: int = 111, port: int | None = None) -> None:
         self.experimental = ["kv_event_stream"] if experimental is None else experimental
         self.answer = answer
+        self.answer_pings = True
         self.incarnation = incarnation
         self.received: queue.Queue[list[bytes]] = queue.Queue()
         self.subscribes: list[tuple[int, str, int, int]] = []
@@ -153,7 +154,7 @@ class FakeServer:
             self.stream = (ident, uid, op)
             return [[ident, uid, op, enc(self.batch())]]
         if name == 22:  # ping
-            return [[ident, uid, op, enc(True)]]
+            return [[ident, uid, op, enc(True)]] if self.answer_pings else []
         return []
 
     def push(self, payload: Any) -> None:
@@ -304,6 +305,20 @@ def test_ping_thread_pings_the_subscription_id(fake):
                  timeout=3)
         ping = next(f for f in seen if dec(f[1]) == 22)
         assert dec(ping[2]) == sub.instance_id
+
+
+def test_unanswered_pings_warn_once_per_silence(fake, caplog):
+    fake.answer_pings = False
+    with caplog.at_level("DEBUG", logger="lmcache_kv_fast.transport.heartbeat"), \
+            events.subscribe(endpoint(fake.url, reap=4.0)):  # ping every 1 s
+        wait_for(lambda: sum("got no reply" in r.message for r in caplog.records) >= 2,
+                 timeout=5)
+        fake.answer_pings = True
+        time.sleep(2.3)  # two more pings: the first of them is answered
+    missed = [r for r in caplog.records if "got no reply" in r.message]
+    assert [r.levelname for r in missed[:2]] == ["WARNING", "DEBUG"]
+    assert "KV event subscription ping" in missed[0].message and fake.url in missed[0].message
+    assert sum(r.levelname == "WARNING" for r in missed) == 1
 
 
 def test_dropped_subscription_is_closed_by_gc(fake):

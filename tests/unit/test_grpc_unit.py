@@ -187,7 +187,7 @@ def test_replies_decode_like_zmq_frames():
 
 
 def test_kv_event_batch_decodes():
-    from lmcache_kv_fast.protocol.types import KVEventBatch
+    from lmcache_kv_fast.protocol.types import WireKVEventBatch
 
     for gen in (GEN_056, GEN_057):
         m = grpc_codec.dialect_for(gen).method(Op.SUBSCRIBE_KV_EVENTS)
@@ -195,7 +195,7 @@ def test_kv_event_batch_decodes():
         ev = batch.events.add(seq=8, kind="stored", medium="CPU", model_name="m")
         ev.block_hashes.append(b"h" * 16)
         ev.token_ids.extend([1, 2])
-        got = grpc_codec.to_type(m.decode(batch), KVEventBatch, "events")
+        got = grpc_codec.to_type(m.decode(batch), WireKVEventBatch, "events")
         assert got.next_cursor == 9 and got.events[0].parent_block_hash is None
         assert got.events[0].block_hashes == [b"h" * 16] and got.events[0].token_ids == [1, 2]
 
