@@ -185,7 +185,7 @@ def cmd_bench(argv: list[str]) -> int:
 
 def cmd_events(argv: list[str]) -> int:
     """Delegate to the KV-events publisher."""
-    from lmcache_kv_fast.events.cli import events_main
+    from lmcache_kv_fast.events.command import events_main
 
     return events_main(argv)
 
