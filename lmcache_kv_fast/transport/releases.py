@@ -2,9 +2,8 @@
 
 A retrieve's data is in the caller's tensor once the gather finished; what is left is to
 drop the read locks (``commit_retrieve``) and then the session (``end_session``). Waiting
-for those replies costs a round trip plus the server's processing per retrieve (~1 ms for
-one 28-layer chunk, ~2 ms for 16 chunks of 32 layers), so they are sent on one shared
-DEALER socket and their replies are collected later:
+for those replies would add a round trip plus the server's processing to every retrieve,
+so they are sent on one shared DEALER socket and their replies are collected later:
 
 * ``end_session`` goes out only after every commit of its request was acknowledged: the
   commits run on the server's affinity pool, the end on its normal pool, and a commit that
