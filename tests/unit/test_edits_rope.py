@@ -306,17 +306,6 @@ MODEL_ROPES = {
 }
 
 
-@pytest.fixture(scope="module")
-def tiny_model() -> Path:
-    """The project's tiny random-weight Llama (written once, in the engine venv)."""
-    from testbed.tiny_model import ensure_tiny_model
-
-    try:
-        engine_python()
-        return ensure_tiny_model()
-    except EngineChildError as exc:
-        pytest.skip(f"tiny model unavailable: {exc}")
-
 
 def _model_with_rope(src: Path, dst: Path, rope_parameters: dict | None) -> Path:
     """``src``'s files linked into ``dst`` with ``rope_parameters`` in its config.json."""

@@ -21,22 +21,10 @@ import torch.nn.functional as F
 from lmcache_kv_fast import edits
 from lmcache_kv_fast.edits._scores import window_attention
 from lmcache_kv_fast.sdk.cache_kind import LMCacheSDKCacheKind
-from testbed.engine_proc import EngineChildError, engine_python
 
 T, W, KERNEL = 300, 32, 7
 KEPT = 120  # ratio 0.4 of 300
 
-
-@pytest.fixture(scope="module")
-def tiny_model() -> Path:
-    """The project's tiny random-weight Llama (written once, in the engine venv)."""
-    from testbed.tiny_model import ensure_tiny_model
-
-    try:
-        engine_python()
-        return ensure_tiny_model()
-    except EngineChildError as exc:
-        pytest.skip(f"tiny model unavailable: {exc}")
 
 
 @pytest.fixture(scope="module")
