@@ -11,7 +11,7 @@ with only ``config.json`` changed; one engine per class, stopped when the class 
 Part 2 — the engine decodes from every method's edit: the edited KV stored under the
 edited tokens is an external prefix hit of exactly its whole chunks, and the engine's next
 token follows that KV (equal, to bf16 rounding, to transformers decoding from the same past
-K/V). SnapKV and R-KV get caller-given stand-in queries (this vLLM exports none). Only a
+K/V). SnapKV and R-KV are given transformers' queries (this vLLM exports none). Only a
 kept prefix is exact for the whole model: its output equals the engine's own cache-free
 run; for other edits layer 0 is exact and deeper layers are not, so no equality is claimed.
 """
@@ -167,34 +167,38 @@ def test_default_rope_keep_irregular_layer0(offline_engine, sdk, tiny_model):
 # ---------------------------------------------------------------------- part 2: decode
 @dataclass
 class Source:
-    """The engine's KV of one 4-chunk prompt, and the tiny model's RoPE."""
+    """The engine's KV of one 4-chunk prompt, its last window's queries, the model's RoPE."""
 
     prompt: list[int]
     kv: torch.Tensor
+    queries: torch.Tensor
     rope: edits.RoPE
 
 
+#: Observation window of SnapKV (R-KV uses the last 8 of these queries).
+WINDOW = 32
+
+
 @pytest.fixture(scope="module")
-def source(offline_engine, sdk, tiny_model) -> Source:
+def source(offline_engine, sdk, oracle, tiny_model) -> Source:
+    """The engine prefills a prompt; the SDK retrieves its 1024 stored tokens' KV.
+
+    The queries SnapKV / R-KV are given (``queries=``, the caller's form) are transformers'
+    post-RoPE query states of the prompt's last :data:`WINDOW` positions on the same
+    weights: this vLLM exports no queries.
+    """
     prompt = tokens(4 * CHUNK + TAIL, 3510)
     assert offline_engine.generate([prompt])[0].num_cached_tokens == 0
     kv = sdk.retrieve(prompt)
     assert kv is not None and kv.shape[2] == 4 * CHUNK
-    return Source(prompt[: 4 * CHUNK], kv, edits.rope_from_config(tiny_model))
-
-
-def proxy_queries(kv: torch.Tensor, q_heads: int = 4, head_dim: int = 64) -> torch.Tensor:
-    """Caller-given query tensors ``[L, T, Hq*Dh]`` for SnapKV / R-KV: each KV head's keys
-    repeated over its query group. Stand-ins (this vLLM exports no queries): the test is
-    about the engine consuming the edit, whichever tokens the scores pick."""
-    k = kv[0].unflatten(-1, (-1, head_dim))  # [L, T, Hkv, Dh]
-    return k.repeat_interleave(q_heads // k.shape[2], dim=2).flatten(-2)
+    q, _att = oracle.window_attention(prompt[: 4 * CHUNK], WINDOW)  # [L, Hq, W, Dh]
+    queries = q.permute(0, 2, 1, 3).reshape(q.shape[0], WINDOW, -1)  # [L, W, Hq*Dh]
+    return Source(prompt[: 4 * CHUNK], kv, queries, edits.rope_from_config(tiny_model))
 
 
 def method_edit(name: str, src: Source) -> Callable[..., Any]:
     """The edit of ``name`` with ``rope=`` (every one re-rotates to ``0 .. T'-1``)."""
-    rope = src.rope
-    q = proxy_queries(src.kv)
+    rope, q = src.rope, src.queries
     return {
         "drop_every": lambda: edits.drop_every(4, rope=rope),
         "keep_ratio": lambda: edits.keep_ratio(0.5, rope=rope),
@@ -202,7 +206,7 @@ def method_edit(name: str, src: Source) -> Callable[..., Any]:
         "streaming_llm": lambda: edits.streaming_llm(4, 600, rope=rope),
         "key_norm": lambda: edits.key_norm(ratio=0.6, method="l2", rope=rope),
         "rkv": lambda: edits.rkv(q, budget=520, rope=rope),
-        "snapkv": lambda: edits.snapkv(q, window=32, ratio=0.55, rope=rope),
+        "snapkv": lambda: edits.snapkv(q, window=WINDOW, ratio=0.55, rope=rope),
         "chain": lambda: edits.chain(edits.drop_every(10, rope=rope),
                                      edits.key_norm(ratio=0.8, rope=rope)),
         # exact: a kept prefix is what the engine computes for it (causal attention)
