@@ -20,7 +20,8 @@ if [ "${1:-}" = "--no-engine" ]; then
   shift
 fi
 ./scripts/setup.sh
-export LMCACHE_TRACK_USAGE=false DO_NOT_TRACK=1 LMCACHE_DISABLE_BANNER=1
+export LMCACHE_TRACK_USAGE=false DO_NOT_TRACK=1 LMCACHE_DISABLE_BANNER=1 RAY_USAGE_STATS_ENABLED=0 \
+  RAY_DATA_USAGE_DISABLED=1
 if [ "$engine" = 1 ]; then
   if ! ./scripts/engine-venv.sh >/tmp/lmckvf-engine-venv.$$.log 2>&1; then
     cat /tmp/lmckvf-engine-venv.$$.log >&2

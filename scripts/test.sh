@@ -11,7 +11,8 @@ export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 # 0.5.7rc2 server venv (.venv-compat/0.5.7rc2; ~1 min the first time, cached afterwards):
 # its compat-matrix rows run in the native pass, its server in the last pass
 ./scripts/compat-venvs.sh 0.5.7rc2
-export LMCACHE_TRACK_USAGE=false DO_NOT_TRACK=1 LMCACHE_DISABLE_BANNER=1
+export LMCACHE_TRACK_USAGE=false DO_NOT_TRACK=1 LMCACHE_DISABLE_BANNER=1 RAY_USAGE_STATS_ENABLED=0 \
+  RAY_DATA_USAGE_DISABLED=1
 PYTEST=".venv/bin/python -m pytest"
 echo "[test] ruff"; .venv/bin/ruff check lmcache_kv_fast tests benches examples testbed
 echo "[test] native backend"

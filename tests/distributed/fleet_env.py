@@ -19,6 +19,11 @@ from typing import Any
 
 import pytest
 
+# No usage reporting from the local clusters (no network here; Ray Data's poller thread would
+# print a connection traceback at exit).
+os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
+os.environ.setdefault("RAY_DATA_USAGE_DISABLED", "1")
+
 ray = pytest.importorskip("ray", reason="the distributed tests need Ray (pip install 'lmcache-kv-fast[ray]')")
 
 import fleet_helpers  # noqa: E402
