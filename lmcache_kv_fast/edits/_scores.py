@@ -56,19 +56,23 @@ def key_scores(k: torch.Tensor, head_dim: int, method: str) -> torch.Tensor:
     if method not in ("keydiff", "l2"):
         raise InvalidArgumentError(f"score: expected 'keydiff' or 'l2', got {method!r}")
     layers, count = k.shape[0], k.shape[1]
-    out = torch.empty(layers, k.shape[-1] // head_dim if head_dim > 0 else 0, count)
+    n_heads = heads(k[:1, :1], head_dim, "kv").shape[-2]
+    # per-layer results go into [L, H, T] buffers: no small temporaries per layer
+    norm = torch.empty(layers, n_heads, count)
+    ref = torch.empty(layers, n_heads, 1)  # keydiff: dot with the mean key; l2: mean norm
+    dot = torch.empty(layers, n_heads, count) if method == "keydiff" else norm
     for layer in range(layers):
-        kh = heads(k[layer], head_dim, "kv").to(torch.float32).transpose(0, 1)  # [H, T, Dh]
-        norm = torch.linalg.vector_norm(kh, dim=-1)  # [H, T]
+        kh = heads(k[layer], head_dim, "kv").transpose(0, 1).to(  # [H, T, Dh]
+            torch.float32, memory_format=torch.contiguous_format)
+        torch.linalg.vector_norm(kh, dim=-1, out=norm[layer])
         if method == "keydiff":
             anchor = kh.mean(dim=1, keepdim=True)  # [H, 1, Dh]
-            dot = torch.bmm(kh, anchor.transpose(1, 2)).squeeze(-1)
-            den = (norm * torch.linalg.vector_norm(anchor, dim=-1)).clamp_min_(_EPS)
-            torch.div(dot, den, out=out[layer]).neg_()
-        else:
-            torch.div(norm, norm.mean(dim=-1, keepdim=True).clamp_min(1e-12),
-                      out=out[layer]).neg_()
-    return out
+            torch.bmm(kh, anchor.transpose(1, 2), out=dot[layer].unsqueeze(-1))
+            torch.linalg.vector_norm(anchor, dim=-1, out=ref[layer])
+    if method == "keydiff":
+        return dot.div_(norm.mul_(ref).clamp_min_(_EPS)).neg_()
+    torch.mean(norm, dim=-1, keepdim=True, out=ref)
+    return norm.div_(ref.clamp_min_(1e-12)).neg_()
 
 
 def pool(x: torch.Tensor, kernel: int, how: str) -> torch.Tensor:
@@ -123,8 +127,9 @@ def window_attention(q: torch.Tensor, k: torch.Tensor, head_dim: int, window: in
         qh = heads(q[layer, tq - window:], head_dim, "queries").to(torch.float32)
         qg = qh.reshape(window, n_kv, g, head_dim).permute(1, 2, 0, 3).reshape(
             n_kv, g * window, head_dim)
-        kh = heads(k[layer], head_dim, "kv").to(torch.float32)  # [T, Hkv, Dh]
-        logits = torch.bmm(qg, kh.permute(1, 2, 0)).mul_(scale).view(n_kv, g, window, count)
+        kh = heads(k[layer], head_dim, "kv").permute(1, 2, 0).to(  # [Hkv, Dh, T]
+            torch.float32, memory_format=torch.contiguous_format)
+        logits = torch.bmm(qg, kh).mul_(scale).view(n_kv, g, window, count)
         if at_end:
             logits[..., count - window:].masked_fill_(mask, float("-inf"))
         torch.sum(logits.softmax(dim=-1), dim=2, out=out[layer].view(n_kv, g, count))
@@ -155,8 +160,8 @@ def redundancy(k: torch.Tensor, head_dim: int, threshold: float) -> torch.Tensor
     layers, count = k.shape[0], k.shape[1]
     out = torch.empty(layers, k.shape[-1] // head_dim if head_dim > 0 else 0, count)
     for layer in range(layers):
-        kh = heads(k[layer], head_dim, "kv").to(torch.float32).transpose(0, 1).contiguous()
-        kh = F.normalize(kh, dim=-1)  # [H, T, Dh]
+        kh = F.normalize(heads(k[layer], head_dim, "kv").transpose(0, 1).to(  # [H, T, Dh]
+            torch.float32, memory_format=torch.contiguous_format), dim=-1)
         acc = torch.zeros(kh.shape[0], count)
         for a0 in range(0, count, _RED_BLOCK):
             a1 = min(count, a0 + _RED_BLOCK)
