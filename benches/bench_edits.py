@@ -5,9 +5,12 @@ on one sequence of ``--tokens`` tokens, at Llama-3.2-1B's KV geometry (16 layers
 heads x 64, bf16; bench W6's default) and at W3P's ``[2, 32, T, 1024]`` bf16 (16 KV heads
 of 64 here, the RoPE's head size): the median time over ``--reps`` warm calls and the
 minor page faults per call (0 when every large output comes from the warm result pool).
-Also a warm ``memcpy`` of the sequence's bytes, as a yardstick of a retrieve's copy.
+Each call runs on one thread set up like ``batch.rewrite``'s edit thread (its own
+intra-op thread count, ``--threads``). Also W7's plain-torch SnapKV + re-rotation (what
+upstream's loop applies) without the pool, and a warm ``memcpy`` of the sequence's bytes,
+as a yardstick of a retrieve's copy.
 
-    PYTHONPATH=. .venv/bin/python -m benches.bench_edits [--reps 5] [--threads 2]
+    PYTHONPATH=. .venv/bin/python -m benches.bench_edits [--reps 5] [--threads 2] [--only rkv]
 """
 
 from __future__ import annotations
@@ -19,12 +22,14 @@ import statistics
 import sys
 import time
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import torch
 
+from benches.harness.edits import LLAMA32_1B_ROPE, llama3_inv_freq, snapkv_rerotate_plain
 from lmcache_kv_fast import edits
-from lmcache_kv_fast.batch._policy import PooledOutputs
+from lmcache_kv_fast.batch._policy import PooledOutputs, set_thread_intraop_threads
 from lmcache_kv_fast.copy.select import backend
 
 logger = logging.getLogger("bench_edits")
@@ -51,32 +56,45 @@ def library_edits(queries: torch.Tensor, rope: edits.RoPE) -> dict[str, Callable
         "key_norm(0.5, l2)": edits.key_norm(0.5, method="l2", rope=rope),
         "snapkv(q, 32, 7, 0.5)": edits.snapkv(queries, 32, 7, ratio=0.5, rope=rope),
         "rkv(q, 8, 7, 0.5)": edits.rkv(queries, 8, 7, ratio=0.5, rope=rope),
+        "W7 plain torch snapkv+rope (no pool)": _plain_snapkv(queries),
     }
+
+
+def _plain_snapkv(queries: torch.Tensor) -> Callable[..., Any]:
+    """W7's upstream-loop edit (plain torch, fresh outputs): not run under the pool."""
+    inv_freq = llama3_inv_freq(LLAMA32_1B_ROPE)
+
+    def fn(kv: torch.Tensor, tokens: list[int]) -> Any:
+        return snapkv_rerotate_plain(kv, tokens, queries, inv_freq)
+
+    fn.plain = True  # type: ignore[attr-defined]
+    return fn
 
 
 def _faults() -> int:
     return resource.getrusage(resource.RUSAGE_SELF).ru_minflt
 
 
-def time_edit(fn: Callable[..., Any], kv: torch.Tensor, tokens: list[int], reps: int,
-              pooled: bool) -> tuple[float, float]:
-    """Median seconds and minor faults per call of ``fn(kv, tokens)`` (one warm-up call)."""
-    times, faults = [], []
-    for i in range(reps + 1):
-        f0 = _faults()
-        t0 = time.perf_counter()
-        if pooled:
-            with PooledOutputs(backend().alloc_result):
-                out = fn(kv, tokens)
-        else:
+def _call(fn: Callable[..., Any], kv: torch.Tensor, tokens: list[int], pooled: bool
+          ) -> tuple[float, int]:
+    """Seconds and minor faults of one call (process-wide faults: nothing else runs)."""
+    f0 = _faults()
+    t0 = time.perf_counter()
+    if pooled:
+        with PooledOutputs(backend().alloc_result):
             out = fn(kv, tokens)
-        dt = time.perf_counter() - t0
-        f1 = _faults()
-        del out
-        if i:
-            times.append(dt)
-            faults.append(f1 - f0)
-    return statistics.median(times), statistics.median(faults)
+    else:
+        out = fn(kv, tokens)
+    dt = time.perf_counter() - t0
+    del out
+    return dt, _faults() - f0
+
+
+def time_edit(pool: ThreadPoolExecutor, fn: Callable[..., Any], kv: torch.Tensor,
+              tokens: list[int], reps: int, pooled: bool) -> tuple[float, float]:
+    """Median seconds and minor faults per call of ``fn(kv, tokens)`` (one warm-up call)."""
+    runs = [pool.submit(_call, fn, kv, tokens, pooled).result() for _ in range(reps + 1)]
+    return statistics.median(r[0] for r in runs[1:]), statistics.median(r[1] for r in runs[1:])
 
 
 def memcpy_s(kv: torch.Tensor, reps: int) -> float:
@@ -101,7 +119,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--plain", action="store_true", help="also time without PooledOutputs")
     args = ap.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(message)s")
-    torch.set_num_threads(args.threads)
+    pool = ThreadPoolExecutor(1, initializer=set_thread_intraop_threads,
+                              initargs=(args.threads,))
     rope = edits.rope_from_config(LLAMA32_1B)
     gen = torch.Generator().manual_seed(0)
     tokens = list(range(args.tokens))
@@ -115,10 +134,12 @@ def main(argv: list[str] | None = None) -> int:
         for label, fn in library_edits(q, rope).items():
             if args.only and not any(s in label for s in args.only.split(",")):
                 continue
-            t, f = time_edit(fn, kv, tokens, args.reps, pooled=True)
-            extra = f" {time_edit(fn, kv, tokens, args.reps, False)[0] * 1e3:.1f} |" \
+            plain = getattr(fn, "plain", False)
+            t, f = time_edit(pool, fn, kv, tokens, args.reps, pooled=not plain)
+            extra = f" {time_edit(pool, fn, kv, tokens, args.reps, False)[0] * 1e3:.1f} |" \
                 if args.plain else ""
             logger.info("| %s | %.1f | %d |%s", label, t * 1e3, f, extra)
+    pool.shutdown()
     return 0
 
 
