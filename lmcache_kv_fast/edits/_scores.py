@@ -127,9 +127,10 @@ def window_attention(q: torch.Tensor, k: torch.Tensor, head_dim: int, window: in
         qh = heads(q[layer, tq - window:], head_dim, "queries").to(torch.float32)
         qg = qh.reshape(window, n_kv, g, head_dim).permute(1, 2, 0, 3).reshape(
             n_kv, g * window, head_dim)
-        kh = heads(k[layer], head_dim, "kv").permute(1, 2, 0).to(  # [Hkv, Dh, T]
+        kh = heads(k[layer], head_dim, "kv").transpose(0, 1).to(  # [Hkv, T, Dh]
             torch.float32, memory_format=torch.contiguous_format)
-        logits = torch.bmm(qg, kh).mul_(scale).view(n_kv, g, window, count)
+        # B as K^T: BLAS reads the transposed operand in place (no copy)
+        logits = torch.bmm(qg, kh.transpose(1, 2)).mul_(scale).view(n_kv, g, window, count)
         if at_end:
             logits[..., count - window:].masked_fill_(mask, float("-inf"))
         torch.sum(logits.softmax(dim=-1), dim=2, out=out[layer].view(n_kv, g, count))
