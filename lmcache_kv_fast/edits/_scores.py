@@ -27,6 +27,17 @@ _EPS = 1e-8
 _RED_BLOCK = 128
 
 
+def _f32(x: torch.Tensor) -> torch.Tensor:
+    """A contiguous float32 copy of ``x`` (exact: ``x * 1`` promoted to float32).
+
+    Written as a multiply so that under ``batch.rewrite``'s pooled outputs the copy is
+    computed straight into a warm pooled buffer: ``x.to(torch.float32)``'s ``out=`` form
+    computes into a fresh tensor first, and ``torch.empty`` is not pooled, so both would
+    fault fresh pages on every call.
+    """
+    return torch.mul(x, torch.ones(1, dtype=torch.float32))
+
+
 def aggregate(scores: torch.Tensor, how: str, layers: Sequence[int] | None = None
               ) -> torch.Tensor:
     """Reduce ``[L, H, T]`` scores over the chosen layers and all heads to ``[T]``."""
@@ -62,8 +73,7 @@ def key_scores(k: torch.Tensor, head_dim: int, method: str) -> torch.Tensor:
     ref = torch.empty(layers, n_heads, 1)  # keydiff: dot with the mean key; l2: mean norm
     dot = torch.empty(layers, n_heads, count) if method == "keydiff" else norm
     for layer in range(layers):
-        kh = heads(k[layer], head_dim, "kv").transpose(0, 1).to(  # [H, T, Dh]
-            torch.float32, memory_format=torch.contiguous_format)
+        kh = _f32(heads(k[layer], head_dim, "kv").transpose(0, 1))  # [H, T, Dh]
         torch.linalg.vector_norm(kh, dim=-1, out=norm[layer])
         if method == "keydiff":
             anchor = kh.mean(dim=1, keepdim=True)  # [H, 1, Dh]
@@ -127,8 +137,7 @@ def window_attention(q: torch.Tensor, k: torch.Tensor, head_dim: int, window: in
         qh = heads(q[layer, tq - window:], head_dim, "queries").to(torch.float32)
         qg = qh.reshape(window, n_kv, g, head_dim).permute(1, 2, 0, 3).reshape(
             n_kv, g * window, head_dim)
-        kh = heads(k[layer], head_dim, "kv").transpose(0, 1).to(  # [Hkv, T, Dh]
-            torch.float32, memory_format=torch.contiguous_format)
+        kh = _f32(heads(k[layer], head_dim, "kv").transpose(0, 1))  # [Hkv, T, Dh]
         # B as K^T: BLAS reads the transposed operand in place (no copy)
         logits = torch.bmm(qg, kh.transpose(1, 2)).mul_(scale).view(n_kv, g, window, count)
         if at_end:
@@ -161,8 +170,7 @@ def redundancy(k: torch.Tensor, head_dim: int, threshold: float) -> torch.Tensor
     layers, count = k.shape[0], k.shape[1]
     out = torch.empty(layers, k.shape[-1] // head_dim if head_dim > 0 else 0, count)
     for layer in range(layers):
-        kh = F.normalize(heads(k[layer], head_dim, "kv").transpose(0, 1).to(  # [H, T, Dh]
-            torch.float32, memory_format=torch.contiguous_format), dim=-1)
+        kh = F.normalize(_f32(heads(k[layer], head_dim, "kv").transpose(0, 1)), dim=-1)
         acc = torch.zeros(kh.shape[0], count)
         for a0 in range(0, count, _RED_BLOCK):
             a1 = min(count, a0 + _RED_BLOCK)
