@@ -27,14 +27,17 @@ _EPS = 1e-8
 _RED_BLOCK = 128
 
 
-def _f32(x: torch.Tensor) -> torch.Tensor:
-    """A contiguous float32 copy of ``x`` (exact: ``x * 1`` promoted to float32).
+def _f32(x: torch.Tensor, buf: torch.Tensor | None = None) -> torch.Tensor:
+    """A contiguous float32 copy of ``x``, into ``buf`` (a previous layer's copy) if given.
 
-    Written as a multiply so that under ``batch.rewrite``'s pooled outputs the copy is
-    computed straight into a warm pooled buffer: ``x.to(torch.float32)``'s ``out=`` form
-    computes into a fresh tensor first, and ``torch.empty`` is not pooled, so both would
-    fault fresh pages on every call.
+    The first copy is an exact ``x * 1`` promoted to float32, so that under
+    ``batch.rewrite``'s pooled outputs it is computed straight into a warm pooled buffer
+    (``x.to(torch.float32)``'s ``out=`` form computes into a fresh tensor first, and
+    ``torch.empty`` is not pooled: both fault fresh pages per call); later layers copy
+    into that buffer (a plain converting copy, the fastest form).
     """
+    if buf is not None:
+        return buf.copy_(x)
     return torch.mul(x, torch.ones(1, dtype=torch.float32))
 
 
@@ -72,8 +75,9 @@ def key_scores(k: torch.Tensor, head_dim: int, method: str) -> torch.Tensor:
     norm = torch.empty(layers, n_heads, count)
     ref = torch.empty(layers, n_heads, 1)  # keydiff: dot with the mean key; l2: mean norm
     dot = torch.empty(layers, n_heads, count) if method == "keydiff" else norm
+    kh: torch.Tensor | None = None  # one float32 buffer, reused per layer
     for layer in range(layers):
-        kh = _f32(heads(k[layer], head_dim, "kv").transpose(0, 1))  # [H, T, Dh]
+        kh = _f32(heads(k[layer], head_dim, "kv").transpose(0, 1), kh)  # [H, T, Dh]
         torch.linalg.vector_norm(kh, dim=-1, out=norm[layer])
         if method == "keydiff":
             anchor = kh.mean(dim=1, keepdim=True)  # [H, 1, Dh]
@@ -133,11 +137,12 @@ def window_attention(q: torch.Tensor, k: torch.Tensor, head_dim: int, window: in
     n_q, n_kv = _query_heads(q, k, head_dim)
     g = n_q // n_kv
     out = torch.empty(k.shape[0], n_q, count)
+    kh: torch.Tensor | None = None  # one float32 buffer, reused per layer
     for layer in range(k.shape[0]):
         qh = heads(q[layer, tq - window:], head_dim, "queries").to(torch.float32)
         qg = qh.reshape(window, n_kv, g, head_dim).permute(1, 2, 0, 3).reshape(
             n_kv, g * window, head_dim)
-        kh = _f32(heads(k[layer], head_dim, "kv").transpose(0, 1))  # [Hkv, T, Dh]
+        kh = _f32(heads(k[layer], head_dim, "kv").transpose(0, 1), kh)  # [Hkv, T, Dh]
         # B as K^T: BLAS reads the transposed operand in place (no copy)
         logits = torch.bmm(qg, kh.transpose(1, 2)).mul_(scale).view(n_kv, g, window, count)
         if at_end:
@@ -169,8 +174,10 @@ def redundancy(k: torch.Tensor, head_dim: int, threshold: float) -> torch.Tensor
     """
     layers, count = k.shape[0], k.shape[1]
     out = torch.empty(layers, k.shape[-1] // head_dim if head_dim > 0 else 0, count)
+    raw: torch.Tensor | None = None  # one float32 buffer, reused per layer
     for layer in range(layers):
-        kh = F.normalize(_f32(heads(k[layer], head_dim, "kv").transpose(0, 1)), dim=-1)
+        raw = _f32(heads(k[layer], head_dim, "kv").transpose(0, 1), raw)
+        kh = F.normalize(raw, dim=-1)  # [H, T, Dh]
         acc = torch.zeros(kh.shape[0], count)
         for a0 in range(0, count, _RED_BLOCK):
             a1 = min(count, a0 + _RED_BLOCK)
