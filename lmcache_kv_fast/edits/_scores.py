@@ -30,15 +30,17 @@ _RED_BLOCK = 128
 def _f32(x: torch.Tensor, buf: torch.Tensor | None = None) -> torch.Tensor:
     """A contiguous float32 copy of ``x``, into ``buf`` (a previous layer's copy) if given.
 
-    The first copy is an exact ``x * 1`` promoted to float32, so that under
-    ``batch.rewrite``'s pooled outputs it is computed straight into a warm pooled buffer
-    (``x.to(torch.float32)``'s ``out=`` form computes into a fresh tensor first, and
-    ``torch.empty`` is not pooled: both fault fresh pages per call); later layers copy
-    into that buffer (a plain converting copy, the fastest form).
+    A new buffer is the float32 product ``1 * 1`` broadcast to ``x``'s shape, then filled
+    by a converting copy: under ``batch.rewrite``'s pooled outputs that product is
+    computed straight into a warm pooled buffer. ``x.to(torch.float32)`` (its ``out=``
+    form computes into a fresh tensor first), ``torch.empty`` (not pooled) and a
+    mixed-dtype ``x * 1`` (the input promoted into a fresh temporary) would each fault
+    fresh pages per call.
     """
-    if buf is not None:
-        return buf.copy_(x)
-    return torch.mul(x, torch.ones(1, dtype=torch.float32))
+    if buf is None:
+        one = torch.ones(1, dtype=torch.float32)
+        buf = torch.mul(one.expand(x.shape), one)
+    return buf.copy_(x)
 
 
 def aggregate(scores: torch.Tensor, how: str, layers: Sequence[int] | None = None
