@@ -185,7 +185,7 @@ def cmd_bench(argv: list[str]) -> int:
 
 def cmd_events(argv: list[str]) -> int:
     """Delegate to the KV-events publisher."""
-    from lmcache_kv_fast.events.cli import events_main
+    from lmcache_kv_fast.events.command import events_main
 
     return events_main(argv)
 
@@ -221,8 +221,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--layers", type=int, default=32)
     p.add_argument("--no-malloc-tuning", action="store_true",
                    help="run the server with glibc's default allocator settings (by default "
-                        "it gets MALLOC_ARENA_MAX=1 and a 512 MiB mmap threshold, which make "
-                        "pickle-plane requests 2-3x faster)")
+                        "it gets MALLOC_ARENA_MAX=1 and a 512 MiB mmap threshold, which keep "
+                        "pickle-plane request buffers in a reused heap: docs/deployment.md)")
     sub.add_parser("bench", help="benchmark every copy path (see: bench --help)")
     sub.add_parser("events", help="publish KV events in vLLM's format (see: events --help)")
     args = ap.parse_args(argv)

@@ -3,6 +3,9 @@
 It runs the same weights as the engine in an engine-venv child
 (``engine_side/oracle_driver.py``).
 
+It also hands out what SnapKV needs to be checked against: the query states of a
+prompt's last positions and the attention probabilities transformers computes for them.
+
 K/V use the SDK's documented per-token form ``[2, L, T, NH*HS]`` (float32; K after the
 rotary embedding), the same form ``lmcache_kv_fast.layout.cpu_engine`` converts a CPU
 engine's raw rows to.
@@ -53,3 +56,19 @@ class TransformersOracle(ChildOwner):
         vec = self._child.call_send("next_logprobs", past_kv, key="past_path",
                                     tokens=[int(t) for t in tokens], start_pos=start_pos)
         return torch.tensor(vec, dtype=torch.float32)
+
+    def window_attention(self, tokens: list[int], window: int
+                         ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Queries and attention of the last ``window`` positions of ``tokens``, per layer.
+
+        One forward with eager attention and ``output_attentions=True``.
+
+        Returns:
+            ``(queries, attentions)``, float32: the post-RoPE query states
+            ``[L, Hq, window, head_dim]`` transformers attends with, and the probabilities
+            it computes for those rows ``[L, Hq, window, T]`` (causal: zero beyond each
+            row's own position).
+        """
+        out = self._child.call_load("window_attention", tokens=[int(t) for t in tokens],
+                                    window=int(window))
+        return out["queries"], out["attentions"]

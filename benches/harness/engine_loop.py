@@ -266,6 +266,28 @@ def run_rep(engine: Any, path: Any, s: W5Sizes, seed: int) -> Rep:
     return Rep(secs, moved, hits, [_expected_hit(s)] * s.prompts)
 
 
+def _run_reps(engine: Any, paths: list[Any], s: W5Sizes) -> list[PathResult]:
+    """Every path's warm-up and timed reps, the paths' order alternating from rep to rep.
+
+    A warm-up rep is kept only when it failed (so the verdict sees it).
+    """
+    results = [PathResult(p.name) for p in paths]
+    for rep in range(s.warmup + s.reps):
+        order = list(range(len(paths)))
+        if rep % 2:
+            order.reverse()
+        for j in order:
+            if rep == s.warmup and isinstance(paths[j], _UpstreamPath):
+                paths[j].convert_s = 0.0
+            r = run_rep(engine, paths[j], s, seed=1000 * rep + j)
+            what = "warm-up" if rep < s.warmup else "rep"
+            logger.info("W5 %s %d %s: %s", what, rep, paths[j].name,
+                        "ok" if r.ok else f"FAILED {r.error or (r.hits, r.expected)}")
+            if rep >= s.warmup or not r.ok:
+                results[j].reps.append(r)
+    return results
+
+
 def run_w5(args: argparse.Namespace, *, server: Any = None, engine: Any = None) -> int:
     """Run W5 and print its table; 0 when every path's every rep was right.
 
@@ -320,20 +342,7 @@ def run_w5(args: argparse.Namespace, *, server: Any = None, engine: Any = None) 
         elif skew is None:
             notes.append("upstream path skipped: " + ("--no-upstream" if args.no_upstream
                                                       else "lmcache is not importable"))
-        results = [PathResult(p.name) for p in paths]
-        for rep in range(s.warmup + s.reps):
-            order = list(range(len(paths)))
-            if rep % 2:
-                order.reverse()
-            for j in order:
-                if rep == s.warmup and isinstance(paths[j], _UpstreamPath):
-                    paths[j].convert_s = 0.0
-                r = run_rep(engine, paths[j], s, seed=1000 * rep + j)
-                what = "warm-up" if rep < s.warmup else "rep"
-                logger.info("W5 %s %d %s: %s", what, rep, paths[j].name,
-                            "ok" if r.ok else f"FAILED {r.error or (r.hits, r.expected)}")
-                if rep >= s.warmup or not r.ok:
-                    results[j].reps.append(r)
+        results = _run_reps(engine, paths, s)
         for p, res in zip(paths, results, strict=True):
             if isinstance(p, _UpstreamPath):
                 res.note = (f"converting rows <-> per-token K/V around it: "

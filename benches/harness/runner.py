@@ -22,7 +22,7 @@ from .helpers import http_clear, punch_segment
 from .ic import run_ic
 from .names import IC_KVF, IC_TORCH, IC_UP
 from .procs import Progress, WorkerProc
-from .servers import register_models, server_python, servers
+from .servers import Server, register_models, server_python, servers
 from .sizes import Sizes
 from .stats import Key
 from .workloads import GLOBAL_OPS, op_reps, worker_plan
@@ -73,6 +73,22 @@ class RunResult:
     steps: list[tuple[str, float]] = field(default_factory=list)
 
 
+def _base_spec(args: argparse.Namespace, s: Sizes, workloads: Sequence[str],
+               threads: Sequence[int], default_threads: int, shm: Server, pick: Server | None
+               ) -> dict[str, Any]:
+    """What every worker is told (its ``worker`` kind is added per worker)."""
+    return {
+        "sizes": asdict(s), "threads": list(threads), "default_threads": default_threads,
+        "workloads": list(workloads), "seed": 0, "models": shm.models,
+        "w3_edit": args.w3_edit, "w3_no_alloc": args.w3_no_alloc,
+        "upstream_python": server_python(args),
+        "shm": {"url": shm.url, "http_url": shm.http_url, "segment": shm.segment,
+                "l1_gib": shm.l1_gib},
+        "pickle": None if pick is None else {"url": pick.url, "http_url": pick.http_url,
+                                             "l1_gib": pick.l1_gib},
+    }
+
+
 def run(args: argparse.Namespace, s: Sizes, workloads: Sequence[str], *,
         threads: Sequence[int], default_threads: int, workers: Sequence[str],
         with_upstream: bool, timeout: float, notes: list[str]) -> RunResult:
@@ -98,16 +114,7 @@ def run(args: argparse.Namespace, s: Sizes, workloads: Sequence[str], *,
         if pick is not None:
             register_models(pick, models, stack, args.server_version)
         res.servers = {"shm": asdict(shm), "pickle": asdict(pick) if pick else None}
-        base_spec: dict[str, Any] = {
-            "sizes": asdict(s), "threads": list(threads), "default_threads": default_threads,
-            "workloads": list(workloads), "seed": 0, "models": shm.models,
-            "w3_edit": args.w3_edit, "w3_no_alloc": args.w3_no_alloc,
-            "upstream_python": server_python(args),
-            "shm": {"url": shm.url, "http_url": shm.http_url, "segment": shm.segment,
-                    "l1_gib": shm.l1_gib},
-            "pickle": None if pick is None else {"url": pick.url, "http_url": pick.http_url,
-                                                 "l1_gib": pick.l1_gib},
-        }
+        base_spec = _base_spec(args, s, workloads, threads, default_threads, shm, pick)
         if base_spec["upstream_python"]:
             notes.append(f"servers and the upstream SDK: lmcache {args.server_version} "
                          f"({base_spec['upstream_python']})")

@@ -184,6 +184,33 @@ def _roof_fn(w: Worker, d: Driven, src: Any, wanted: bool
 
 
 # ---------------------------------------------------------------------------- rewrite (W3)
+def _sequential_loop(ctx: Any, prompts: Sequence[Sequence[int]],
+                     fn: Callable[[Any, Sequence[int]], tuple[Any, list[int]]],
+                     stages: dict[str, float]) -> Callable[[], int]:
+    """W3's baseline: retrieve, edit and store each prompt in turn; returns sequences stored.
+
+    Each stage's seconds are added into ``stages`` (the caller clears it per rep).
+    """
+    def sequential() -> int:
+        ok = 0
+        for toks in prompts:
+            t0 = time.perf_counter()
+            kv = ctx.retrieve(toks)
+            t1 = time.perf_counter()
+            if kv is None:
+                continue
+            new_kv, new_toks = fn(kv, toks)
+            del kv
+            t2 = time.perf_counter()
+            ok += bool(ctx.store(new_kv, new_toks))
+            t3 = time.perf_counter()
+            for k, v in (("retrieve", t1 - t0), ("fn", t2 - t1), ("store", t3 - t2)):
+                stages[k] = stages.get(k, 0.0) + v
+        return ok
+
+    return sequential
+
+
 def rewrite_state(w: Worker, d: Driven, variants: Sequence[Variant]) -> OpState:
     """W3 / W3P: ``batch.rewrite`` vs a sequential retrieve / edit / store loop, both per rep.
 
@@ -214,22 +241,7 @@ def rewrite_state(w: Worker, d: Driven, variants: Sequence[Variant]) -> OpState:
                  ) -> tuple[Any, list[int]]:
         return edit(kv, toks, s.w3_k, alloc=alloc)
 
-    def sequential() -> int:
-        ok = 0
-        for toks in prompts:
-            t0 = time.perf_counter()
-            kv = ctx.retrieve(toks)
-            t1 = time.perf_counter()
-            if kv is None:
-                continue
-            new_kv, new_toks = fn(kv, toks)
-            del kv
-            t2 = time.perf_counter()
-            ok += bool(ctx.store(new_kv, new_toks))
-            t3 = time.perf_counter()
-            for k, v in (("retrieve", t1 - t0), ("fn", t2 - t1), ("store", t3 - t2)):
-                stages[k] = stages.get(k, 0.0) + v
-        return ok
+    sequential = _sequential_loop(ctx, prompts, fn, stages)
 
     def batched() -> int:
         from lmcache_kv_fast import batch

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import collections
 import concurrent.futures as cf
+import functools
 import logging
 import time
 from collections.abc import Callable, Iterable, Iterator, Sequence
@@ -28,10 +29,9 @@ logger = logging.getLogger(__name__)
 ModifyFn = Callable[[torch.Tensor, Sequence[int]], tuple[torch.Tensor, Sequence[int]]]
 DEFAULT_MAX_IN_FLIGHT = 3
 #: rewrite's default: a sequence being stored, one being edited and one being retrieved
-#: need two alive (a retrieve starts when a store ends); a third cost 1.5x the memory
-#: for 0.96x [0.91-1.15] of the time (6 paired reps, 2 cores).
+#: need two alive (a retrieve starts when a store ends); a third costs memory and buys
+#: no speed (docs/performance.md).
 REWRITE_MAX_IN_FLIGHT = REWRITE_DEFAULT_MAX_IN_FLIGHT
-
 
 
 def release_buffers() -> int:
@@ -85,21 +85,48 @@ def _run_pipelined(
             progress.update()
             yield res
     except BaseException:
-        # Stop feeding; let in-flight items finish their server calls (no leftovers).
-        for f in window:
-            f.cancel()
-        done = [f for f in window if not f.cancelled()]
-        for f in done:
-            try:
-                report._add(f.result())
-            except BaseException as err:
-                logger.warning("in-flight item failed during cancellation: %r", err)
-        report.cancelled += sum(1 for f in window if f.cancelled())
+        _cancel_window(window, report)
         raise
     finally:
         pool.shutdown(wait=True, cancel_futures=True)
         report.seconds = time.perf_counter() - t0
         progress.close()
+
+
+def _cancel_window(window: collections.deque[cf.Future[ItemResult]], report: BatchReport) -> None:
+    """Stop feeding; let in-flight items finish their server calls (no leftovers)."""
+    for f in window:
+        f.cancel()
+    done = [f for f in window if not f.cancelled()]
+    for f in done:
+        try:
+            report._add(f.result())
+        except BaseException as err:
+            logger.warning("in-flight item failed during cancellation: %r", err)
+    report.cancelled += sum(1 for f in window if f.cancelled())
+
+
+def _retrieve_one(ctx: LMCacheKVCacheContext, cache_salt: str, out_pool: BufferPool | None,
+                  index: int, toks: Sequence[int]) -> ItemResult:
+    """``retrieve_many``'s task: one retrieve; ``value`` is ``(kv, pooled buffer)``."""
+    res = ItemResult(index)
+    buf = out_pool.acquire() if out_pool is not None else None
+    t = time.perf_counter()
+    try:
+        kv = ctx.retrieve(toks, cache_salt, out=buf)
+    except Exception as err:
+        if buf is not None:
+            out_pool.release(buf)  # type: ignore[union-attr]
+        return res.fail("retrieve", err)
+    res.stages["retrieve"] = time.perf_counter() - t
+    if kv is None:
+        if buf is not None:
+            out_pool.release(buf)  # type: ignore[union-attr]
+        res.status, res.stage, res.reason = "missed", "retrieve", "nothing cached"
+    else:
+        res.tokens, res.nbytes = kv.shape[-2], nbytes(kv)
+    res.value = (kv, buf)
+    return res
 
 
 def retrieve_many(
@@ -133,27 +160,7 @@ def retrieve_many(
     if out_pool is not None and out_pool.size < max_in_flight + 1:
         max_in_flight = max(1, out_pool.size - 1)
     rep = report if report is not None else BatchReport()
-
-    def task(index: int, toks: Sequence[int]) -> ItemResult:
-        res = ItemResult(index)
-        buf = out_pool.acquire() if out_pool is not None else None
-        t = time.perf_counter()
-        try:
-            kv = ctx.retrieve(toks, cache_salt, out=buf)
-        except Exception as err:
-            if buf is not None:
-                out_pool.release(buf)  # type: ignore[union-attr]
-            return res.fail("retrieve", err)
-        res.stages["retrieve"] = time.perf_counter() - t
-        if kv is None:
-            if buf is not None:
-                out_pool.release(buf)  # type: ignore[union-attr]
-            res.status, res.stage, res.reason = "missed", "retrieve", "nothing cached"
-        else:
-            res.tokens, res.nbytes = kv.shape[-2], nbytes(kv)
-        res.value = (kv, buf)
-        return res
-
+    task = functools.partial(_retrieve_one, ctx, cache_salt, out_pool)
     progress_bar = Progress(length_of(token_lists), "retrieve_many", progress)
     for res in _run_pipelined(enumerate(token_lists), task, workers=workers or min(max_in_flight, 4),
                               max_in_flight=max_in_flight, report=rep, progress=progress_bar,
@@ -222,58 +229,33 @@ def rewrite(
 ) -> BatchReport:
     """Rewrite many sequences: retrieve, apply ``fn``, store the edit — pipelined.
 
-    Each sequence is retrieved, ``fn(kv, tokens) -> (new_kv, new_tokens)`` is applied and the
-    result is stored under ``new_tokens``. Retrieves and stores run on I/O threads, ``fn``
-    on one edit thread of its own (under the caller's grad / inference mode), so the edit
-    of one sequence overlaps the store of the previous and the retrieve of the next.
-
-    ``fn`` gets the retrieved KV (``[2, L, hit, D]``) and the hit's tokens; it must not keep
-    a reference to ``kv`` after returning when ``reuse_buffers`` is True: the retrieve
-    buffers are reused for a later sequence once this one is stored. ``fn`` may return a
-    view of ``kv`` (e.g. an in-place edit narrowed to the kept tokens).
-
-    Output memory (``pool_outputs``, default on with the native core): while ``fn`` runs,
-    the large (>= 1 MiB) fresh outputs of torch operators it calls (``index_select``,
-    ``cat``, ``clone``, ``.float()``, arithmetic, ...) are computed into buffers from the
-    context's pool of already-faulted result buffers instead of fresh memory, which
-    otherwise costs a page fault per 4 KiB (more than a cheap edit itself). Values, shapes,
-    strides and dtypes are those of the plain call; a buffer is reused only after the last
-    tensor over it died, so what ``fn`` keeps stays valid. Such outputs cannot be resized
-    beyond their size (an ``fn`` that does so is run again without the pool). Only the
-    edit thread is affected; ``pool_outputs=False`` or ``LMCACHE_KV_FAST_POOL_OUTPUTS=0``
-    turns it off.
-
-    When ``fn`` accepts an ``alloc`` keyword, it is called as
-    ``fn(kv, tokens, alloc=alloc)`` where ``alloc(shape, dtype)`` returns a contiguous
-    tensor from a pool of reused, pre-faulted buffers (given back after the sequence is
-    stored, so ``fn`` must not keep it).
+    ``fn(kv, tokens) -> (new_kv, new_tokens)`` edits each retrieved hit, stored under
+    ``new_tokens``; the edit of one sequence (on its own thread, under the caller's grad /
+    inference mode, large op outputs from the warm result pool) overlaps the store of the
+    previous and the retrieve of the next. What ``fn`` may keep, ``alloc``: docs/batch.md.
 
     Args:
         ctx: Connected context.
         token_lists: Sequences to rewrite.
-        fn: The edit (the shape of upstream's ``ModifyFnType`` for one KV tensor).
+        fn: The edit (upstream's ``ModifyFnType`` for one KV tensor); it must not keep
+            ``kv`` when ``reuse_buffers``; it may take an ``alloc`` keyword.
         cache_salt: Salt for reads and writes.
         workers: I/O threads for retrieves and stores (default ``min(max_in_flight, 2)``).
-        max_in_flight: Sequences alive at once (memory bound: each holds its retrieved KV
-            and, once edited, the edit's output; default 2).
+        max_in_flight: Sequences alive at once (memory bound; default 2).
         progress: Show a progress bar (tqdm if installed, else log lines).
         reuse_buffers: Read into a few reused buffers (from the warm result pool).
-        pool_outputs: See above (None: ``LMCACHE_KV_FAST_POOL_OUTPUTS``, else on).
-        edit_threads: torch intra-op threads of the edit thread, set on that thread only
-            (None: ``LMCACHE_KV_FAST_EDIT_THREADS``, else the caller's
-            ``torch.get_num_threads()``, at most the usable cores).
-
-    A server that dies (killed, frozen, unreachable) does not cost ``timeout`` per item:
-    after an item fails with a server error the server is pinged once, and when that gets
-    no answer the batch stops at once (nothing more is sent; started server calls end).
+        pool_outputs: Large op outputs of ``fn`` from the warm pool (None:
+            ``LMCACHE_KV_FAST_POOL_OUTPUTS``, else on with the native core).
+        edit_threads: torch intra-op threads of the edit thread only (None:
+            ``LMCACHE_KV_FAST_EDIT_THREADS``, else the caller's, at most the usable cores).
 
     Returns:
         The :class:`BatchReport`.
 
     Raises:
+        InvalidArgumentError: A bad argument or environment value.
         ServerUnavailableError: The server was found gone mid-batch; ``err.report`` is the
-            report so far, with ``not_attempted`` / ``not_attempted_indices`` for the
-            items never started (apart from ``failed``).
+            report so far, ``not_attempted_indices`` the items never started.
     """
     engine = RewriteEngine(ctx, fn, cache_salt, io_workers=workers,
                            max_in_flight=max_in_flight, pool_outputs=pool_outputs,

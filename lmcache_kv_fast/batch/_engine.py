@@ -61,14 +61,63 @@ DEFAULT_IO_WORKERS = 2
 REWRITE_DEFAULT_MAX_IN_FLIGHT = 2
 
 
+class _BatchRun:
+    """One :meth:`RewriteEngine.results` call: its window of live items and its report."""
+
+    def __init__(self, rep: BatchReport, progress: Progress) -> None:
+        self.rep, self.progress = rep, progress
+        self.window: collections.deque[Item] = collections.deque()
+        self.exhausted = False  # nothing more is read from the input
+
+    def next_item(self, source: Iterator[tuple[int, Any]], closed: bool) -> Item | None:
+        """The next input item, or None when the input ended or the context is closed."""
+        if closed:  # stop feeding; in-flight items finish (or fail: closed)
+            self.exhausted = True
+            self.rep.cancelled += sum(1 for _ in source)
+            return None
+        nxt = next(source, None)
+        if nxt is None:
+            self.exhausted = True
+            return None
+        return Item(nxt[0], nxt[1], ItemResult(nxt[0]))
+
+    def skip_rest(self, source: Iterator[tuple[int, Any]]) -> None:
+        """Count the items not read yet as not attempted (the server is gone)."""
+        self.exhausted = True
+        for i, _ in source:
+            self.rep.not_attempted += 1
+            self.rep.not_attempted_indices.append(i)
+
+    def collect(self, it: Item) -> ItemResult | None:
+        """Wait for ``it``; account it; return it unless cancelled or not attempted."""
+        res = it.done.result()
+        if res.status == "cancelled":
+            self.rep.cancelled += 1
+            return None
+        if res.status == "not_attempted":
+            self.rep.not_attempted += 1
+            self.rep.not_attempted_indices.append(res.index)
+            return None
+        self.rep._add(res)
+        self.progress.update()
+        return res
+
+    def drain(self) -> None:
+        """Wait for the items still in the window (the batch is stopping)."""
+        for it in self.window:
+            try:
+                self.collect(it)
+            except BaseException as err:  # already stopping: the first error is raised
+                logger.debug("in-flight item ended with %r while stopping", err)
+
+
 class RewriteEngine:
     """Pipelined ``fetch -> fn -> store`` over items (see the module docstring).
 
-    Two ways to drive it: :meth:`results` / :meth:`run` over an iterable (one batch, as
-    ``batch.rewrite`` does), or, for items arriving over time from several callers (a
-    fleet actor's Ray calls), :meth:`open` once, :meth:`submit` per item (with its own
-    ``fn``, salt and store step if needed) and :meth:`close` at the end; the threads, the
-    retrieve buffers and the output pool then stay warm across calls.
+    Driven by :meth:`results` / :meth:`run` over an iterable (one batch, as ``rewrite``
+    does), or for items arriving over time (a fleet actor's Ray calls) by :meth:`open`,
+    :meth:`submit` per item (its own ``fn``, salt, store step if needed) and :meth:`close`:
+    the threads, retrieve buffers and output pool then stay warm across calls.
 
     Args:
         ctx: Connected context.
@@ -84,8 +133,7 @@ class RewriteEngine:
             the caller's count, at most the usable cores).
         reuse_buffers: Retrieve into a few reused buffers (else the context allocates).
         fetch: ``fetch(ctx, item) -> (kv | None, tokens)`` (e.g. wait until an engine's
-            store is visible); default: the item is a token sequence, retrieved into a
-            reused buffer.
+            store is visible); default: the item is a token sequence, retrieved (reused buffers).
         progress: Show a progress bar.
         desc: Progress label.
         store: ``store(kv, tokens, cache_salt) -> StoreResult`` instead of
@@ -398,73 +446,50 @@ class RewriteEngine:
         if self._io is not None:
             raise KVCacheSDKError("this RewriteEngine is already running")
         rep = report if report is not None else BatchReport()
-        ctx = self.ctx
-        self._watch = ServerWatch(ctx)  # per batch: a server found gone stops this batch
+        self._watch = ServerWatch(self.ctx)  # per batch: a server found gone stops this batch
         self._start()
-        assert self._io is not None and self._runner is not None
-        progress = Progress(total, self.desc, self.progress)
-        window: collections.deque[Item] = collections.deque()
+        run = _BatchRun(rep, Progress(total, self.desc, self.progress))
         t0 = time.perf_counter()
-
-        def collect(it: Item) -> ItemResult | None:
-            res = it.done.result()
-            if res.status == "cancelled":
-                rep.cancelled += 1
-                return None
-            if res.status == "not_attempted":
-                rep.not_attempted += 1
-                rep.not_attempted_indices.append(res.index)
-                return None
-            rep._add(res)
-            progress.update()
-            return res
-
         try:
             source = enumerate(items)
-            exhausted = False
             while True:
-                if not exhausted and self._watch.gone() is not None:
-                    exhausted = True  # the server is gone: nothing more is sent
-                    for i, _ in source:
-                        rep.not_attempted += 1
-                        rep.not_attempted_indices.append(i)
-                while not exhausted and len(window) < self.max_in_flight:
-                    if ctx.closed:  # stop feeding; in-flight items finish (or fail: closed)
-                        exhausted = True
-                        rep.cancelled += sum(1 for _ in source)
-                        break
-                    nxt = next(source, None)
-                    if nxt is None:
-                        exhausted = True
-                        break
-                    it = Item(nxt[0], nxt[1], ItemResult(nxt[0]))
-                    window.append(it)
-                    self._io.submit(1, self._stage_fetch, it)
-                    rep.peak_in_flight = max(rep.peak_in_flight, len(window))
-                if not window:
+                self._fill(run, source)
+                if not run.window:
                     break
-                res = collect(window.popleft())
+                res = run.collect(run.window.popleft())
                 if res is not None:
                     yield res
-            gone = self._watch.gone()
-            if gone is not None:
-                rep.not_attempted_indices.sort()
-                gone.report = rep
-                raise gone
+            self._raise_if_gone(rep)
         except BaseException:
-            # Stop: items not started are cancelled, started server calls finish.
-            self._stop.set()
-            for it in window:
-                try:
-                    collect(it)
-                except BaseException as err:  # already stopping: the first error is raised
-                    logger.debug("in-flight item ended with %r while stopping", err)
+            self._stop.set()  # items not started are cancelled, started server calls finish
+            run.drain()
             raise
         finally:
             self._stop.set()
             rep.pooled_outputs += self._stop_threads()
             rep.seconds = time.perf_counter() - t0
-            progress.close()
+            run.progress.close()
+
+    def _fill(self, run: _BatchRun, source: Iterator[tuple[int, Any]]) -> None:
+        """Start items from ``source`` until ``max_in_flight`` are alive (or none is left)."""
+        if not run.exhausted and self._watch.gone() is not None:
+            run.skip_rest(source)  # the server is gone: nothing more is sent
+        assert self._io is not None
+        while not run.exhausted and len(run.window) < self.max_in_flight:
+            it = run.next_item(source, self.ctx.closed)
+            if it is None:
+                break
+            run.window.append(it)
+            self._io.submit(1, self._stage_fetch, it)
+            run.rep.peak_in_flight = max(run.rep.peak_in_flight, len(run.window))
+
+    def _raise_if_gone(self, rep: BatchReport) -> None:
+        """Raise the watch's ``ServerUnavailableError`` (with ``rep``) if the server is gone."""
+        gone = self._watch.gone()
+        if gone is not None:
+            rep.not_attempted_indices.sort()
+            gone.report = rep
+            raise gone
 
     def run(self, items: Iterable[Any], on_result: Callable[[ItemResult], None] | None = None,
             total: int | None = None) -> BatchReport:

@@ -3,9 +3,9 @@
 Token dropping is a gather of whole rows along the token dimension:
 ``kv.index_select(2, keep)`` or ``kv[:, :, keep]``. Torch runs it as one strided copy per
 kept index (for ``[2, L, T, D]`` KV: ``T`` copies of ``2·L`` rows each, regular stores),
-13.5 ms for a 64 MiB stream on one thread here against 6 ms for the same bytes moved as
-runs. While ``edit_policy.PooledOutputs`` serves an edit's outputs, these two calls —
-with a contiguous source, one 1-D integer index (int64 / int32) and slices of at least
+slower than moving the same bytes as runs (docs/performance.md). While
+``batch._policy.PooledOutputs`` serves an edit's outputs, these two calls — with a
+contiguous source, one 1-D integer index (int64 / int32) and slices of at least
 :data:`MIN_ROW_BYTES` per index — are run by the core's ``index_rows`` instead:
 consecutive indices coalesce into runs, each run one copy on the copy pool (streaming
 stores for large outputs). The bytes are the same as torch's (a gather moves them

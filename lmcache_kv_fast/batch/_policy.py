@@ -1,35 +1,17 @@
 """How a batch runs the user's edit ``fn``: output memory and intra-op threads.
 
-A plain edit (``kv.index_select(2, idx)``, ``torch.cat``, ``kv.clone()``, ...) gets every
-large output from torch's CPU allocator, i.e. glibc, which maps outputs above 32 MiB
-afresh and unmaps them on free: each call page-faults its whole output (59,000 faults
-for 230 MiB here, 2-4x the copy itself). glibc cannot be told to keep them reliably
-(measured on 2.36, ``benches/bench_edit_alloc.py``): ``M_MMAP_THRESHOLD`` is accepted up
-to 1 GiB but only the main arena honours it (a thread's arena still maps anything above
-its 64 MiB heap), and in the main arena torch's 64-byte-aligned ``posix_memalign`` often
-finds the freed block a few bytes too small for the next identical request, so the heap
-keeps growing (0.46-0.92 GiB over 6 edits of 230 MiB) instead of reusing it. Smaller
-outputs fare no better: once a freed mapping has raised glibc's dynamic mmap threshold,
-outputs of a few MiB come from the heap, where the same holes make it grow (16 edits of
-1.8 MiB: 15 MiB).
+A plain edit (``kv.index_select(2, idx)``, ``torch.cat``, ``kv.clone()``, ...) gets its
+large outputs from glibc, which page-faults fresh memory on every call (often costlier
+than the edit) and cannot be made to reuse such blocks reliably. So while the edit runs,
+on its thread only, :class:`PooledOutputs` computes them with the ``out=`` form of the
+same operator into the native core's pool of already-faulted result buffers. A buffer is
+recycled only after the last tensor over it died; values, shapes, strides and dtypes are
+those of the plain call; views, in-place, random and data-dependent ops run unchanged.
 
-:class:`PooledOutputs` instead serves such outputs from the native core's pool of
-already-faulted result buffers (the same pool ``retrieve`` results come from): while the
-edit runs, a thread-local ``TorchDispatchMode`` calls the ``out=`` form of an operator
-whose result is a fresh, contiguous CPU tensor of at least ``min_bytes``, with the output
-taken from the pool. A buffer goes back to the pool only when the last tensor over it
-dies, so an edit that keeps a result (or a copy) keeps valid memory: nothing is ever
-recycled under a live tensor. Values, shapes, strides and dtypes are those of the plain
-call (the same kernels run); views, in-place and random operators, data-dependent shapes
-and anything the mode does not recognise run unchanged.
-
-:func:`set_thread_intraop_threads` sets the OpenMP thread count of the thread that runs
-the edits (the ICV is per thread: no other thread of the process is affected); by
-default the caller's count, at most the usable cores (in a pipelined batch on 2 cores, 2
-threads were 1.17-1.24x faster than 1).
-
-Turning it off: ``rewrite(..., pool_outputs=False, edit_threads=n)`` or the environment
-(``LMCACHE_KV_FAST_POOL_OUTPUTS=0``, ``LMCACHE_KV_FAST_EDIT_THREADS=n``).
+:func:`set_thread_intraop_threads` sets the OpenMP thread count of the edit thread only
+(default: the caller's, at most the usable cores). Off switches: ``rewrite(...,
+pool_outputs=False, edit_threads=n)``, ``LMCACHE_KV_FAST_POOL_OUTPUTS=0``,
+``LMCACHE_KV_FAST_EDIT_THREADS=n``. The measurements behind this: docs/performance.md.
 """
 
 from __future__ import annotations
@@ -56,8 +38,7 @@ ENV_POOL_OUTPUTS = "LMCACHE_KV_FAST_POOL_OUTPUTS"
 ENV_EDIT_THREADS = "LMCACHE_KV_FAST_EDIT_THREADS"
 
 #: Outputs smaller than this come from torch's allocator as usual. From 1 MiB glibc's heap
-#: does not reuse freed outputs reliably (see ``copy.native_backend.MIN_POOLED_RESULT_BYTES``):
-#: a modify's 1.8 MiB edit outputs grew it by 15 MiB over 16 streams.
+#: does not reuse freed outputs reliably (see ``copy.native_backend.MIN_POOLED_RESULT_BYTES``).
 MIN_POOLED_BYTES = 1 << 20
 
 AllocFn = Callable[[Sequence[int], torch.dtype], torch.Tensor]
@@ -183,7 +164,7 @@ if _Mode is not None:
         @classmethod
         def _should_skip_dynamo(cls) -> bool:
             # Nothing here is compiled: without this, the first dispatch imports
-            # torch._dynamo (~800 modules, 1-5 s).
+            # torch._dynamo (a slow import of hundreds of modules).
             return False
 
         def __init__(self, alloc: AllocFn, min_bytes: int = MIN_POOLED_BYTES) -> None:
@@ -337,9 +318,8 @@ def _env_int(name: str) -> int | None:
 def default_edit_threads(cores: int, caller_threads: int) -> int:
     """Intra-op threads for the edit: the caller's torch count, at most the usable cores.
 
-    Measured on 2 cores (``benches/bench_batch_plain.py``, variants): the edit on 2
-    threads beside the copies of its neighbours was 1.17-1.24x faster (medians of 4 and 6
-    paired reps) than on 1.
+    Up to the usable cores, more threads made the edit faster even beside its neighbours'
+    copies (docs/performance.md); beyond them they would only oversubscribe.
     """
     return max(1, min(caller_threads, cores))
 

@@ -67,9 +67,9 @@ class OutputPool:
     """Reused, pre-faulted output memory for ``fn`` (``rewrite(..., fn)`` with ``alloc``).
 
     A fresh large tensor costs a page fault per 4 KiB the first time it is written (often
-    more than the edit itself: ~50 ms of a 75 ms token drop over 256 MiB here). The pool
-    hands out views of byte buffers it keeps warm; every buffer an item took comes back
-    once that item's store has finished. At most ``keep`` idle buffers are kept.
+    more than the edit itself). The pool hands out views of byte buffers it keeps warm;
+    every buffer an item took comes back once that item's store has finished. At most
+    ``keep`` idle buffers are kept.
 
     With ``large`` (``rewrite`` passes the native core's ``alloc_result``), outputs of at
     least ``large_min`` bytes come from there instead: the process-wide pool of faulted,

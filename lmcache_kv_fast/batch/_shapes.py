@@ -1,13 +1,13 @@
 """Output shape and dtype of the commonest edit ops, without running a meta kernel.
 
-``edit_policy.PooledOutputs`` needs an op's output shape and dtype before the op runs
+``batch._policy.PooledOutputs`` needs an op's output shape and dtype before the op runs
 (to hand it a pooled ``out``). The general answer is the op's meta kernel, but the first
 meta call of an elementwise op, ``cat``, ``stack`` or ``where`` in a process imports
-torch's symbolic-shape machinery (sympy and ~800 modules: 1.5–2.4 s on the project's
-box), which a first small ``batch.rewrite`` would pay in full. For the ops token-dropping
-and mixing edits are made of, the answer is simple when the inputs agree, so it is
-computed here; anything else (mixed dtypes, broadcasting, scalars, channels-last-like
-strides, legacy empty tensors) returns None and goes the meta way.
+torch's symbolic-shape machinery (sympy and hundreds of modules: seconds), which a first
+small ``batch.rewrite`` would pay in full. For the ops token-dropping and mixing edits
+are made of, the answer is simple when the inputs agree, so it is computed here;
+anything else (mixed dtypes, broadcasting, scalars, channels-last-like strides, legacy
+empty tensors) returns None and goes the meta way.
 
 Each rule only answers when the result is certain: one dtype across the inputs (so no
 type promotion), dense row-major inputs (so the plain op would return a contiguous

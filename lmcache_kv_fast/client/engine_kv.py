@@ -16,8 +16,8 @@ per-token ``[2, L, T, NH*HS]`` K/V, chunk by chunk, straight from / into the SHM
 inline frames): one strided copy per plane, no intermediate buffer
 (:class:`~lmcache_kv_fast.layout.CpuEngineKV`). The exception is a store into a slot whose
 pages the server's pool has never held (a fresh pool, a pool that grew): written through
-the mapping, every 4 KiB page faults, is allocated, zeroed and mapped (~3-5 us each on a
-VM: 1 GiB of such stores cost 0.4-0.8 s of kernel time in bench W6). Such a chunk is
+the mapping, every 4 KiB page faults, is allocated, zeroed and mapped (kernel time per
+page, high on a VM). Such a chunk is
 converted into a reused per-thread staging buffer instead and written by the copy core's
 raw scatter, whose cold-page path fills the pages without faulting or zeroing them
 (``UFFDIO_COPY`` or ``pwritev``; ``csrc/native.cpp``).

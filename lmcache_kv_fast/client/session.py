@@ -323,8 +323,8 @@ class Session:
         A retrieve's commit is not awaited (DeferredReleases): an identical operation
         waits for its acknowledgement here, under the key's lock.
 
-        The key is ``(salt, len(toks), hash(tuple(toks)))``, hashed once (a 4096-token tuple
-        costs ~50 us per hash, and the key is looked up several times): a collision could
+        The key is ``(salt, len(toks), hash(tuple(toks)))``, hashed once (a long token tuple
+        is slow to hash, and the key is looked up several times): a collision could
         only make two different operations wait for each other. It is also the key of the
         prefix's read hints.
         """
@@ -398,7 +398,7 @@ class Session:
     def end_session(self, ch: Channel, rid: str) -> None:
         """End a session without waiting for its acknowledgement.
 
-        Saves ~0.3-0.5 ms per call; the acknowledgement is collected later, at the latest
+        Saves a round trip per call; the acknowledgement is collected later, at the latest
         before the socket closes.
         """
         ch.fire(Op.END_SESSION, [rid])

@@ -52,10 +52,8 @@ NAME = "native"
 #: Results smaller than this come from torch.empty. From 1 MiB they come from the pool:
 #: glibc serves such blocks from its heap once a freed mapping has raised its dynamic
 #: mmap threshold, and there torch's 64-byte-aligned requests leave holes the next
-#: identical request does not fit, so the heap grows (a modify of 16 streams with 1.8 MiB
-#: edits grew 15 MiB of heap this way; with these from the pool its private memory fell
-#: from 23-29 MiB to 11 MiB). A pooled result's pages are faulted for its own bytes only,
-#: not for its 2 MiB region's slack.
+#: identical request does not fit, so the heap grows with every such result. A pooled
+#: result's pages are faulted for its own bytes only, not for its 2 MiB region's slack.
 MIN_POOLED_RESULT_BYTES = 1 << 20
 
 
@@ -79,7 +77,7 @@ class NativeSegment:
         size: Minimum expected size in bytes (None: no check).
         populate: ``"background"`` (default): map the pages the segment already has from
             a background thread, window by window, so opening a large warm pool returns
-            at once (a synchronous pre-fault costs ~50 ms per resident GiB) and copies
+            at once (a synchronous pre-fault takes time per resident GiB) and copies
             soon find their pages mapped; otherwise a pre-fault mode of
             :class:`_native.Mapping`, done before returning.
 

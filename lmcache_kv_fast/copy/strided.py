@@ -4,8 +4,8 @@ Torch's generic copy walks a permutation (e.g. a CPU engine's KV rows <-> per-to
 ``layout/cpu_engine.py``) element by element along the destination's innermost dimension;
 when that dimension is strided in the source (a transpose) it runs at a fraction of
 memory speed. The native ``strided_copy`` tiles the two dimensions that are innermost on
-either side and splits the rest over the copy pool: measured with
-``benches/bench_engine_convert.py``.
+either side and splits the rest over the copy pool (``benches/bench_engine_convert.py``
+compares the two; docs/performance.md, "A CPU engine's per-token KV").
 
 Falls back to ``torch.Tensor.copy_`` with the torch backend, for other dtypes/devices,
 misaligned views, and whatever the native planner refuses.

@@ -40,23 +40,21 @@ class Fleet:
         model_name: Model of every job.
         connect_kwargs: More :func:`lmcache_kv_fast.connect` arguments for every actor
             (``layout``, ``timeout``, ``world_size``, ...).
-        remote_connect_kwargs: Overrides for actors that do not run on their server's node
-            (a server on no Ray node, or a replacement after the node was lost). Such an
-            actor cannot map an SHM server's pool; pass the option that selects the
-            pickle plane here once ``connect`` offers one (see docs/distributed.md).
+        remote_connect_kwargs: Overrides for actors not on their server's node (a server on
+            no Ray node, or a replacement after the node was lost), which cannot map an SHM
+            pool: pass the pickle plane's option once ``connect`` has one (docs/distributed.md).
         max_in_flight: Items in flight per actor (memory bound per node).
         items_per_call: Items per Ray call (1: every item acknowledged on its own).
         workers: Engine worker threads per actor (None: as ``batch``).
-        max_restarts: Ray restarts per actor.
-        max_replacements: New actors per server after permanent losses.
-        max_attempts: Times one item may be sent to an actor.
-        wait_for_lost_writes: Retry an item whose store was refused after its first
-            attempt died mid-store once the server's write TTL has passed (the dead
-            attempt's prepared slots block those chunks until then); False reports it.
-        recover_timeout: Seconds an actor may take to come back before its server is
-            given up.
-        actor_options: More ``ray.remote`` options for the actors (e.g. ``num_cpus``).
-        ray_init: ``ray.init`` arguments when Ray is not initialized yet.
+        max_restarts / max_replacements / max_attempts: Ray restarts per actor; new actors
+            per server after permanent losses; times one item may be sent to an actor.
+        wait_for_lost_writes: Retry an item whose store was refused after its first attempt
+            died mid-store once the server's write TTL has passed (the dead attempt's
+            prepared slots block those chunks until then); False reports it.
+        recover_timeout / startup_timeout: Seconds an actor may take to come back (else its
+            server is given up) / to start (else its server is down).
+        actor_options: More ``ray.remote`` options (e.g. ``num_cpus``); ray_init:
+            ``ray.init`` arguments when Ray is not initialized yet.
 
     Raises:
         MissingExtraError: Ray is not installed.

@@ -79,7 +79,8 @@ def snapkv(queries: QuerySource = None, window: int = 32, kernel: int = 7, *,
     Args:
         queries: ``[L, Tq, Hq*Dh]`` or qcache's ``[1, L, Tq, Hq*Dh]`` (post-RoPE, as the
             engine's attention sees them), or ``queries(tokens) -> tensor`` per sequence,
-            or None: the QUERY tensor of a batched stream's ``modify``.
+            or None: the QUERY tensor of a batched stream's ``modify`` (a prompt's
+            queries from its first token: its first ``T`` rows are used, fewer refused).
         window: Observation window: the last ``window`` queries (all of them when fewer);
             with ``queries_at="end"`` those tokens are always kept, also beyond a ratio.
         kernel: Odd pooling width over tokens (SnapKV's clustering; 1 = none).

@@ -159,6 +159,26 @@ def resolve_queries(source: QuerySource, given: torch.Tensor | None,
     return q
 
 
+def stream_queries(q: torch.Tensor, count: int, queries_at: str, what: str) -> torch.Tensor:
+    """A batched stream's QUERY tensor cut to the queries of the KV's ``count`` tokens.
+
+    A QUERY context reads a prompt's queries from its first token (qcache: position ``i``
+    is token ``i``), while the edit's ``queries_at="end"`` takes a tensor's last rows as
+    the KV's last tokens: the two agree only on the KV's own ``count`` rows. Fewer rows
+    than the KV cannot hold its observation window, so they are refused, never shifted.
+    """
+    if queries_at != "end":
+        raise InvalidArgumentError(f"{what}: queries_at={queries_at!r} with the stream's QUERY "
+                                   f"tensor: it holds the queries of the KV's own tokens, use "
+                                   f"queries_at='end'")
+    tq = q.shape[-2] if q.dim() >= 2 else 0
+    if tq < count:
+        raise InvalidArgumentError(f"{what}: the stream's QUERY tensor covers {tq} tokens but "
+                                   f"the KV {count}: the observation window must be the KV's "
+                                   f"last tokens (the engine stored fewer queries than KV)")
+    return q[..., :count, :]
+
+
 @dataclass(frozen=True, eq=False)
 class SnapKV(Selection):
     """SnapKV (Li et al. 2024): keep what the observation window attends to, plus the window."""
@@ -183,6 +203,8 @@ class SnapKV(Selection):
         Fewer queries than ``window`` (a short prompt) make the window that short.
         """
         q = resolve_queries(self.queries, queries, tokens, what)
+        if self.queries is None:  # the stream's QUERY tensor, aligned at token 0
+            q = stream_queries(q, kv.shape[2], self.queries_at, what)
         hd = resolve_head_dim(self.head_dim, self.rope, what)
         at_end = self.queries_at == "end"
         window = min(self.window, q.shape[-2]) if q.dim() >= 2 else self.window

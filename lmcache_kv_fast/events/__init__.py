@@ -110,10 +110,10 @@ __all__ = [
 ]
 
 def events_main(argv: list[str]) -> int:
-    """``lmcache-kv-fast events`` (see :func:`lmcache_kv_fast.events.cli.events_main`).
+    """``lmcache-kv-fast events`` (see :func:`lmcache_kv_fast.events.command.events_main`).
 
     The command module is imported only here, when the command runs.
     """
-    from lmcache_kv_fast.events.cli import events_main as _main
+    from lmcache_kv_fast.events.command import events_main as _main
 
     return _main(argv)

@@ -19,7 +19,7 @@ from typing import Any
 
 from lmcache_kv_fast.client.store_hooks import add_store_hook
 from lmcache_kv_fast.errors import InvalidArgumentError, InvalidTypeError, KVCacheSDKError
-from lmcache_kv_fast.events.common import _PROBE_TIMEOUT_S, KIND_STORED, LOCAL_SEQ, MEDIUM_CPU
+from lmcache_kv_fast.events.common import KIND_STORED, LOCAL_SEQ, MEDIUM_CPU, PROBE_TIMEOUT_S
 from lmcache_kv_fast.hashing import HASH_ALGORITHM, blake3_available, chunk_hashes, require_blake3
 from lmcache_kv_fast.protocol.types import KVEventRecord
 from lmcache_kv_fast.transport.http import HttpInfoClient
@@ -77,7 +77,7 @@ def server_hash_algorithm(target: Any) -> str:
         cached = _hash_algorithms.get(http_url)
     if cached is not None:
         return cached
-    mp = HttpInfoClient(http_url, _PROBE_TIMEOUT_S, getattr(target, "api_key", None)
+    mp = HttpInfoClient(http_url, PROBE_TIMEOUT_S, getattr(target, "api_key", None)
                         ).config()["mp"]
     ha = str(mp.get("hash_algorithm", HASH_ALGORITHM))
     with _listeners_lock:

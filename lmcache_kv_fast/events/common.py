@@ -18,4 +18,4 @@ KIND_REMOVED = "removed"
 MEDIUM_CPU = "CPU"
 
 #: get_experimental and the first batch must arrive within this (capped by ctx.timeout).
-_PROBE_TIMEOUT_S = 5.0
+PROBE_TIMEOUT_S = 5.0

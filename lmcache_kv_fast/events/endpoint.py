@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from lmcache_kv_fast.errors import ContextClosedError, InvalidArgumentError, KVCacheSDKError
-from lmcache_kv_fast.events.common import _PROBE_TIMEOUT_S
+from lmcache_kv_fast.events.common import PROBE_TIMEOUT_S
 from lmcache_kv_fast.hashing import HASH_ALGORITHM
 from lmcache_kv_fast.protocol.constants import DEFAULT_REAP_TIMEOUT_S, FORBIDDEN_MODEL_CHARS
 from lmcache_kv_fast.protocol.detect import detect_generation
@@ -73,7 +73,7 @@ class EventsEndpoint:
             KVCacheSDKError: The HTTP plane does not answer or the server is unusable.
         """
         _check_endpoint_args(url, http_url, model_name, timeout)
-        http = HttpInfoClient(http_url.rstrip("/"), min(timeout, _PROBE_TIMEOUT_S), api_key)
+        http = HttpInfoClient(http_url.rstrip("/"), min(timeout, PROBE_TIMEOUT_S), api_key)
         mp = http.config()["mp"]
         chunk = mp_chunk_size(mp)
         require_transport(mp, http_url, url, parse_control_url(url).transport)
@@ -96,10 +96,11 @@ def _check_endpoint_args(url: Any, http_url: Any, model_name: Any, timeout: Any)
         raise InvalidArgumentError(f"model_name must be a non-empty str, got {model_name!r:.80}")
     if FORBIDDEN_MODEL_CHARS.intersection(model_name):
         raise InvalidArgumentError(f"model_name must not contain '@', got {model_name!r:.80}")
-    _check_seconds(timeout, "timeout")
+    check_seconds(timeout, "timeout")
 
 
-def _check_seconds(v: Any, what: str) -> float:
+def check_seconds(v: Any, what: str) -> float:
+    """``v`` as float seconds; an ``InvalidArgumentError`` naming ``what`` unless positive and finite."""
     if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or v <= 0:
         raise InvalidArgumentError(f"{what} must be a positive number of seconds, got {v!r}")
     return float(v)
@@ -112,19 +113,21 @@ def _reap_from_mp(mp: dict[str, Any]) -> float:
     return float(v)
 
 
-def _target_closed(target: Any) -> bool:
+def target_closed(target: Any) -> bool:
+    """Whether the subscription's context (or endpoint) is closed."""
     try:
         return bool(getattr(target, "closed", False))
     except Exception:  # a half-torn-down context counts as closed
         return True
 
 
-def _target_reap_timeout(target: Any) -> float:
+def target_reap_timeout(target: Any) -> float:
+    """The server's worker reap timeout for ``target`` (its ``/config``, else the default)."""
     reap = getattr(target, "reap_timeout_s", None)
     if isinstance(reap, (int, float)) and not isinstance(reap, bool):
         return float(reap)
     try:
-        mp = HttpInfoClient(target.http_url, _PROBE_TIMEOUT_S,
+        mp = HttpInfoClient(target.http_url, PROBE_TIMEOUT_S,
                             getattr(target, "api_key", None)).config()["mp"]
     except (KVCacheSDKError, AttributeError, KeyError, TypeError):
         return DEFAULT_REAP_TIMEOUT_S
@@ -141,5 +144,5 @@ def check_target(target: Any) -> None:
     check_process = getattr(target, "_check_process", None)
     if check_process is not None:
         check_process()
-    if _target_closed(target):
+    if target_closed(target):
         raise ContextClosedError(f"the SDK context for {target.url} is closed")

@@ -19,7 +19,7 @@ from typing import Any
 import zmq
 
 from lmcache_kv_fast.errors import KVCacheSDKError
-from lmcache_kv_fast.events.endpoint import _target_closed, _target_reap_timeout
+from lmcache_kv_fast.events.endpoint import target_closed, target_reap_timeout
 from lmcache_kv_fast.protocol.ops import Op
 from lmcache_kv_fast.transport.heartbeat import Beat, ping_interval
 
@@ -40,7 +40,7 @@ def start_keepalive(sub: Any, client: Any, target: Any, stop: threading.Event
         target: The context or endpoint it was made from.
         stop: Set by ``sub`` when it closes.
     """
-    interval = ping_interval(_target_reap_timeout(target))
+    interval = ping_interval(target_reap_timeout(target))
     beat = None if interval is None else Beat(
         Op.PING, [sub.instance_id], interval, "KV event subscription ping", sub.url)
     thread = threading.Thread(
@@ -53,21 +53,21 @@ def start_keepalive(sub: Any, client: Any, target: Any, stop: threading.Event
 
 def _run(ref: weakref.ref[Any], client: Any, target: Any, stop: threading.Event,
          beat: Beat | None, instance_id: int) -> None:
-    target_closed = False
+    closed_by_target = False
     ch = None
     try:
         while not stop.wait(_SLICE_S):
             if ref() is None:
                 break
-            if _target_closed(target):
-                target_closed = True
+            if target_closed(target):
+                closed_by_target = True
                 break
             if beat is not None and beat.due():
                 ch = ch or client.channel()
                 beat.send(ch)
     except (KVCacheSDKError, zmq.ZMQError) as err:
         logger.debug("KV event ping thread stopped: %s", err)
-    sub = ref() if target_closed else None
+    sub = ref() if closed_by_target else None
     if sub is not None:
         logger.info("KV event subscription %d: the context was closed; closing", instance_id)
         if sub.end_reason is None:

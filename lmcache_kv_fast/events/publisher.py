@@ -22,9 +22,9 @@ import zmq
 
 from lmcache_kv_fast.errors import ContextClosedError, InvalidArgumentError, KVCacheSDKError
 from lmcache_kv_fast.events.announce import StoreAnnouncement, add_listener, server_hash_algorithm
-from lmcache_kv_fast.events.endpoint import EventsEndpoint, _target_closed
+from lmcache_kv_fast.events.endpoint import EventsEndpoint, target_closed
 from lmcache_kv_fast.events.stream import KVEventSubscription, subscribe
-from lmcache_kv_fast.events.stream_io import _POLL_SLICE_S, KVEventBatch
+from lmcache_kv_fast.events.stream_io import POLL_SLICE_S, KVEventBatch
 from lmcache_kv_fast.events.vllm_format import (
     VllmEvent,
     VllmEventMapper,
@@ -312,12 +312,12 @@ class KVEventPublisher:
                 raise KVCacheSDKError("the publisher is already running or stopped")
             self._running = True
             self._run_thread = threading.current_thread()
-        slice_s = 0.05 if self._zpub.replay_socket is not None else _POLL_SLICE_S
+        slice_s = 0.05 if self._zpub.replay_socket is not None else POLL_SLICE_S
         try:
             while not self._stop_event.is_set():
                 sub = self._sub
                 if sub is None or not sub.active:
-                    if _target_closed(self._target):
+                    if target_closed(self._target):
                         logger.info("the context was closed; stopping the publisher")
                         break
                     self._resubscribe(sub)

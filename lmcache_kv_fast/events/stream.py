@@ -26,15 +26,15 @@ from lmcache_kv_fast.errors import (
     InvalidTypeError,
     KVCacheSDKError,
 )
-from lmcache_kv_fast.events.common import _PROBE_TIMEOUT_S
-from lmcache_kv_fast.events.endpoint import _check_seconds, _target_closed, check_target
+from lmcache_kv_fast.events.common import PROBE_TIMEOUT_S
+from lmcache_kv_fast.events.endpoint import check_seconds, check_target, target_closed
 from lmcache_kv_fast.events.keepalive import start_keepalive
 from lmcache_kv_fast.events.stream_grpc import GrpcKVEventSubscription
 from lmcache_kv_fast.events.stream_io import (
-    _POLL_SLICE_S,
+    POLL_SLICE_S,
     KVEventBatch,
-    _StreamIO,
-    _WireState,
+    StreamIO,
+    WireState,
     stream_control,
 )
 from lmcache_kv_fast.events.surface import SubscriptionSurface
@@ -129,7 +129,7 @@ def _check_subscribe_args(cursor: Any, max_events: Any, timeout: Any, instance_i
             f"max_events must be in [1, {MAX_EVENTS_PER_BATCH}], got {max_events}"
         )
     if timeout is not None:
-        _check_seconds(timeout, "timeout")
+        check_seconds(timeout, "timeout")
     if instance_id is not None and (type(instance_id) is not int or
                                     not 0 < instance_id < (1 << INSTANCE_ID_BITS)):
         raise InvalidArgumentError(
@@ -137,7 +137,7 @@ def _check_subscribe_args(cursor: Any, max_events: Any, timeout: Any, instance_i
         )
 
 
-class KVEventSubscription(_StreamIO, SubscriptionSurface):
+class KVEventSubscription(StreamIO, SubscriptionSurface):
     """An open ``subscribe_kv_events`` stream (docs/protocol.md §2.6, §9); iterate to get batches.
 
     Create it with :func:`subscribe`. Iteration yields :class:`KVEventBatch` objects and
@@ -174,7 +174,7 @@ class KVEventSubscription(_StreamIO, SubscriptionSurface):
         gen = _stream_generation(target)
         check_target(target)
         self._init_state(target, gen, cursor, max_events, timeout, instance_id)
-        probe = min(_PROBE_TIMEOUT_S, float(getattr(target, "timeout", _PROBE_TIMEOUT_S)))
+        probe = min(PROBE_TIMEOUT_S, float(getattr(target, "timeout", PROBE_TIMEOUT_S)))
         # The control client carries the pings; the stream has a DEALER of its own.
         self._client = ZmqClient(self.url, gen, probe)
         self._closed = self._finished = False
@@ -214,7 +214,7 @@ class KVEventSubscription(_StreamIO, SubscriptionSurface):
         self._close_requested = False
         self._pinger: threading.Thread | None = None
         self._conn: Dealer | None = None
-        self._w = _WireState(sent_cursor=cursor, recv_cursor=cursor)
+        self._w = WireState(sent_cursor=cursor, recv_cursor=cursor)
 
     def _next(self, timeout: float | None) -> KVEventBatch | None:
         deadline = None if timeout is None else time.monotonic() + timeout
@@ -225,7 +225,7 @@ class KVEventSubscription(_StreamIO, SubscriptionSurface):
             while True:
                 if self._closed:
                     break
-                if self._close_requested or _target_closed(self._target):
+                if self._close_requested or target_closed(self._target):
                     if not self._close_requested:
                         self.end_reason = "the SDK context was closed"
                     self._shutdown_locked(DEFAULT_CLOSE_TIMEOUT_S)
@@ -242,7 +242,7 @@ class KVEventSubscription(_StreamIO, SubscriptionSurface):
                     if self._ended:
                         self._shutdown_locked(DEFAULT_CLOSE_TIMEOUT_S)
                         break
-                    wait = _POLL_SLICE_S
+                    wait = POLL_SLICE_S
                     if deadline is not None:
                         wait = min(wait, deadline - time.monotonic())
                         if wait <= 0:
@@ -302,7 +302,7 @@ class KVEventSubscription(_StreamIO, SubscriptionSurface):
                 self._send(stream_control(self._w.stream_uid, STREAM_CANCEL))
                 deadline = time.monotonic() + timeout
                 while not self._w.cancel_done and (left := deadline - time.monotonic()) > 0:
-                    self._pump(min(left, _POLL_SLICE_S))
+                    self._pump(min(left, POLL_SLICE_S))
                 if not self._w.cancel_done:
                     logger.debug("no end marker from %s within %gs after cancel", self.url,
                                  timeout)

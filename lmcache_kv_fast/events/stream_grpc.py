@@ -26,10 +26,10 @@ from collections.abc import Iterator
 from typing import Any
 
 from lmcache_kv_fast.errors import KVCacheSDKError, ProtocolError
-from lmcache_kv_fast.events.common import _PROBE_TIMEOUT_S, KV_EVENT_CAPABILITY
-from lmcache_kv_fast.events.endpoint import _target_closed
+from lmcache_kv_fast.events.common import KV_EVENT_CAPABILITY, PROBE_TIMEOUT_S
+from lmcache_kv_fast.events.endpoint import target_closed
 from lmcache_kv_fast.events.keepalive import start_keepalive
-from lmcache_kv_fast.events.stream_io import _POLL_SLICE_S, KVEventBatch
+from lmcache_kv_fast.events.stream_io import POLL_SLICE_S, KVEventBatch
 from lmcache_kv_fast.events.surface import SubscriptionSurface
 from lmcache_kv_fast.protocol.constants import INSTANCE_ID_BITS
 from lmcache_kv_fast.protocol.ops import Generation, Op
@@ -76,7 +76,7 @@ class GrpcKVEventSubscription(SubscriptionSurface):
         self._ended = False
         self._call: Any = None
         self._lock = threading.Lock()
-        probe = min(_PROBE_TIMEOUT_S, float(getattr(target, "timeout", _PROBE_TIMEOUT_S)))
+        probe = min(PROBE_TIMEOUT_S, float(getattr(target, "timeout", PROBE_TIMEOUT_S)))
         self._client = GrpcClient(self.url, gen, probe)
         self._method = self._client.dialect.method(Op.SUBSCRIBE_KV_EVENTS)
         self._closed = False
@@ -172,7 +172,7 @@ class GrpcKVEventSubscription(SubscriptionSurface):
     def _put(self, item: tuple[str, Any]) -> None:
         while not self._stop.is_set():
             with contextlib.suppress(queue.Full):
-                self._queue.put(item, timeout=_POLL_SLICE_S)
+                self._queue.put(item, timeout=POLL_SLICE_S)
                 return
 
     def _next(self, timeout: float | None) -> KVEventBatch | None:
@@ -182,12 +182,12 @@ class GrpcKVEventSubscription(SubscriptionSurface):
             return self._take(first)
         deadline = None if timeout is None else time.monotonic() + timeout
         while not self._closed and not self._ended:
-            if _target_closed(self._target) or (self._stop.is_set() and self._queue.empty()):
+            if target_closed(self._target) or (self._stop.is_set() and self._queue.empty()):
                 self.end_reason = self.end_reason or "the SDK context was closed"
                 self.close()
                 break
-            wait = _POLL_SLICE_S if deadline is None else \
-                min(_POLL_SLICE_S, deadline - time.monotonic())
+            wait = POLL_SLICE_S if deadline is None else \
+                min(POLL_SLICE_S, deadline - time.monotonic())
             try:
                 kind, value = self._queue.get(timeout=max(wait, 0.0))
             except queue.Empty:

@@ -2,11 +2,11 @@
 
 :class:`KVEventBatch` is what a subscription yields (the server's
 :class:`~lmcache_kv_fast.protocol.types.WireKVEventBatch` plus ``incarnation_changed``);
-:class:`_StreamIO` is the base of :class:`~lmcache_kv_fast.events.stream.KVEventSubscription`
+:class:`StreamIO` is the base of :class:`~lmcache_kv_fast.events.stream.KVEventSubscription`
 that speaks the wire over a :class:`~lmcache_kv_fast.transport.zmq_socket.Dealer`: the
 ``get_experimental`` capability probe, ``subscribe_kv_events`` requests, ack / cancel
 frames, disconnect / reconnect (resubscribe at the received cursor), end markers, and the
-incarnation check after a reconnect. Its state is one :class:`_WireState`.
+incarnation check after a reconnect. Its state is one :class:`WireState`.
 """
 
 from __future__ import annotations
@@ -35,9 +35,9 @@ from lmcache_kv_fast.transport.zmq_socket import Dealer
 logger = logging.getLogger("lmcache_kv_fast.events")
 
 #: The consumer wakes this often while waiting, to notice close() and a closed context.
-_POLL_SLICE_S = 0.1
+POLL_SLICE_S = 0.1
 
-_UIDS = itertools.count(int.from_bytes(os.urandom(3), "big") << 8)
+UIDS = itertools.count(int.from_bytes(os.urandom(3), "big") << 8)
 
 
 class KVEventBatch(_wire.WireKVEventBatch, kw_only=True):
@@ -83,7 +83,7 @@ def send_stream_control(sock: zmq.Socket, uid_frame: bytes, action: bytes) -> No
 
 
 @dataclass
-class _WireState:
+class WireState:
     """Where a subscription's stream stands on the wire (used under its lock)."""
 
     #: Cursor of the last ``subscribe_kv_events`` sent.
@@ -110,7 +110,7 @@ class _WireState:
     call_reply: list[bytes] | None = None
 
 
-class _StreamIO:
+class StreamIO:
     """Wire work of a subscription; the subclass owns the state and the lock.
 
     :class:`~lmcache_kv_fast.events.stream.KVEventSubscription` creates every attribute
@@ -128,7 +128,7 @@ class _StreamIO:
     _closed: bool
     _ended: bool
     _error: KVCacheSDKError | None
-    _w: _WireState
+    _w: WireState
 
     def _open(self, cursor: int, probe: float) -> None:
         """Probe the capability, subscribe at ``cursor`` and wait for the first batch.
@@ -146,7 +146,7 @@ class _StreamIO:
                     f"subscribe_kv_events on {self.url} got no first batch within "
                     f"{probe:g}s (the server sends one at once; see its log)"
                 )
-            self._pump(min(left, _POLL_SLICE_S))
+            self._pump(min(left, POLL_SLICE_S))
         if self._error is not None:
             raise self._error
 
@@ -155,7 +155,7 @@ class _StreamIO:
         self._conn.sock.send_multipart(frames)
 
     def _check_capability(self, probe: float) -> None:
-        uid = codec.encode(next(_UIDS))
+        uid = codec.encode(next(UIDS))
         self._w.call_uid, self._w.call_reply = uid, None
         self._send([uid, codec.encode(self._gen.op_frame_value(Op.GET_EXPERIMENTAL))])
         deadline = time.monotonic() + probe
@@ -166,7 +166,7 @@ class _StreamIO:
                     f"get_experimental on {self.url} got no reply within {probe:g}s: the "
                     "server is not reachable there or is older than LMCache 0.5.6"
                 )
-            self._pump(min(left, _POLL_SLICE_S))
+            self._pump(min(left, POLL_SLICE_S))
         frames, self._w.call_uid, self._w.call_reply = self._w.call_reply, None, None
         caps = codec.decode(frames[2], list[str], what="get_experimental") \
             if len(frames) == 3 else []
@@ -180,7 +180,7 @@ class _StreamIO:
             )
 
     def _send_subscribe(self, cursor: int, *, resync: bool = False) -> None:
-        uid = codec.encode(next(_UIDS))
+        uid = codec.encode(next(UIDS))
         self._send([
             uid, self._op_frame, codec.encode(self.instance_id), codec.encode(self.model_name),
             codec.encode(cursor), codec.encode(self.max_events),

@@ -5,9 +5,8 @@
 and the fleet's rewrite items) with one I/O thread per item in flight and one edit
 thread: at most ``max_in_flight`` items alive, each item reported in input order. One
 I/O thread per item in flight (the engine's default is two) lets every stream's wait,
-read and store round trips overlap the others'; with two, the modify was 1.1-1.7x slower
-than a thread-per-stream pipeline in paired W6 runs, with one per item it was as fast
-(docs/performance.md#w6). A server found gone
+read and store round trips overlap the others' (with two, streams queue for them:
+docs/performance.md#w6). A server found gone
 stops it with :class:`~lmcache_kv_fast.errors.ServerUnavailableError`; the items not
 attempted are then the ones never reported.
 """

@@ -15,8 +15,7 @@ alive.
 
 With chunks of :data:`FLAT_MAX_CHUNK_BYTES` (1 MiB) or more the per-chunk cost is small
 next to the copy, and the core's own per-chunk conversion straight out of / into the SHM
-slots saves the row buffer's extra pass over the data and its memory (bench W6 with 8 MiB
-chunks: 1.35 s against 1.43 s, private memory 187 MiB against 315 MiB); those reads and
+slots saves the row buffer's extra pass over the data and its memory; those reads and
 stores are the context's own calls. Without a CPU engine (the objects are what users
 edit) reads and stores are the context's own calls too.
 """

@@ -56,8 +56,7 @@ def default_max_in_flight() -> int:
 
     A modify is CPU-bound once two streams overlap (their round trips hide behind each
     other's conversions, edit and copies), so more streams in flight than cores cost
-    memory and buy no speed: on 2 cores (bench W6, 16 streams) 2 and 4 in flight took
-    the same time while 2 held half the private memory.
+    memory and buy no speed.
     """
     try:
         cores = len(os.sched_getaffinity(0))

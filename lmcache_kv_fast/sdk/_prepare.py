@@ -3,20 +3,19 @@
 A batched stream's modify reads each stream's KV into a result buffer, and the edit's
 output goes into another (``copy.backend().alloc_result``, a pool of reused,
 already-faulted buffers). Only the first ``max_in_flight + 1`` buffers are new memory,
-but their first touch costs a page fault per 4 KiB page. On a VM the host often backs
-a guest page only when the guest first touches it. Bench W6 has three 64 MiB buffers,
-and there those faults took 0.15–0.5 s of a 0.7–1.2 s modify, more in some runs than
-in others. During :meth:`~lmcache_kv_fast.sdk.batch.LMCacheBatchedStream.prefill`
-this process only waits for the engine's answers. So :class:`ModifyPreparation` maps and
-faults those buffers then, on one background thread, and the prefill joins it before
-it returns. The modify that follows finds them in the pool.
+but their first touch costs a page fault per 4 KiB page, and on a VM the host often
+backs a guest page only when the guest first touches it: for large streams those faults
+are a large part of the modify. During
+:meth:`~lmcache_kv_fast.sdk.batch.LMCacheBatchedStream.prefill` this process only waits
+for the engine's answers. So :class:`ModifyPreparation` maps and faults those buffers
+then, on one background thread, and the prefill joins it before it returns. The modify
+that follows finds them in the pool.
 
 The buffers are the memory the modify would take anyway (they stay pooled afterwards,
 as the modify's own would). Sizes come from the streams' prompts (whole chunks) and the
 KV context's per-token shape. Nothing is prepared for streams under
 :data:`MIN_PREPARE_BYTES` of KV (their faults cost a few milliseconds, and an edit's
-smaller output may not be pooled at all, so a prepared buffer could go unused: bench W6
-with the test model, 2 MiB per stream, held 6 MiB more for no measurable gain), or
+smaller output may not be pooled at all, so a prepared buffer could go unused), or
 with the torch backend.
 """
 

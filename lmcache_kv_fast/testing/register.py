@@ -16,6 +16,7 @@ import itertools
 import mmap
 import os
 import secrets
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 
 import msgspec
@@ -70,19 +71,9 @@ class VllmLikeRegistration:
 
 
 def register_vllm_layout(
-    url: str,
-    model_name: str,
-    *,
-    num_layers: int,
-    num_kv_heads: int,
-    head_size: int,
-    dtype: str = "bfloat16",
-    block_size: int = 16,
-    num_blocks: int = 4,
-    layout: str = "NHD",
-    world_size: int = 1,
-    generation: Generation = GEN_056,
-    timeout: float = 30.0,
+    url: str, model_name: str, *, num_layers: int, num_kv_heads: int, head_size: int,
+    dtype: str = "bfloat16", block_size: int = 16, num_blocks: int = 4, layout: str = "NHD",
+    world_size: int = 1, generation: Generation = GEN_056, timeout: float = 30.0,
     engine_groups: list[EngineGroupInfo] | None = None,
 ) -> VllmLikeRegistration:
     """Register a vLLM-like layout: one ``register_kv_cache`` per TP rank.
@@ -107,6 +98,36 @@ def register_vllm_layout(
     Returns:
         The registration (instance ids, for ``unregister``).
     """
+    shape, hints = _rank_tensor_shape(layout, generation, num_kv_heads, world_size,
+                                      num_blocks, block_size, head_size)
+    nbytes = num_layers * _numel(shape) * DTYPE_ITEMSIZE[dtype]
+    groups = list(engine_groups) if engine_groups else [
+        EngineGroupInfo(engine_group_id=0, layer_indices=tuple(range(num_layers)),
+                        tokens_per_block=block_size)]
+    client = ZmqClient(url, generation, timeout)
+    reg = VllmLikeRegistration(url, [], model_name, world_size, generation)
+    try:
+        for _rank in range(world_size):
+            with _fresh_segment(nbytes) as seg:
+                wrappers = _cpu_shm_wrappers(seg, nbytes, dtype, shape, num_layers)
+                iid = secrets.randbits(31) + 1
+                client.call(Op.REGISTER_KV_CACHE,
+                            [iid, wrappers, model_name, world_size, "vllm", hints, groups])
+                reg.instance_ids.append(iid)
+        return reg
+    finally:
+        client.close()
+
+
+def _rank_tensor_shape(layout: str, generation: Generation, num_kv_heads: int, world_size: int,
+                       num_blocks: int, block_size: int, head_size: int
+                       ) -> tuple[list[int], dict[str, str]]:
+    """One rank's per-layer tensor shape and the layout hints, after checking the arguments.
+
+    Raises:
+        ValueError: An unknown ``layout``, or KV heads that do not split over the ranks.
+        NotImplementedError: A server generation that takes pickled IPC wrappers.
+    """
     if layout not in LAYOUTS:
         raise ValueError(f"layout must be one of {sorted(LAYOUTS)}, got {layout!r}")
     if not generation.ipc_wrapper_ext:
@@ -118,56 +139,58 @@ def register_vllm_layout(
     nh = 1 if layout == "MLA" else num_kv_heads // world_size
     if layout != "MLA" and num_kv_heads % world_size:
         raise ValueError("num_kv_heads must be divisible by world_size")
-    shape = shape_fn(num_blocks, block_size, nh, head_size)
-    itemsize = DTYPE_ITEMSIZE[dtype]
-    layer_elems = 1
+    return shape_fn(num_blocks, block_size, nh, head_size), hints
+
+
+def _numel(shape: list[int]) -> int:
+    n = 1
     for d in shape:
-        layer_elems *= d
-    nbytes = num_layers * layer_elems * itemsize
-    client = ZmqClient(url, generation, timeout)
-    reg = VllmLikeRegistration(url, [], model_name, world_size, generation)
+        n *= d
+    return n
+
+
+@contextlib.contextmanager
+def _fresh_segment(nbytes: int) -> Iterator[str]:
+    """A new POSIX segment of ``nbytes`` (touched once) as ``/name``; unlinked on exit.
+
+    The server maps the segment while registering and keeps its mapping, so the name is
+    not needed afterwards.
+    """
+    seg = f"/lmckvf_kv_{os.getpid()}_{next(_SEG_COUNTER)}_{secrets.token_hex(2)}"
+    fd = os.open(f"/dev/shm{seg}", os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
     try:
-        for _rank in range(world_size):
-            seg = f"/lmckvf_kv_{os.getpid()}_{next(_SEG_COUNTER)}_{secrets.token_hex(2)}"
-            fd = os.open(f"/dev/shm{seg}", os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
-            try:
-                os.ftruncate(fd, nbytes)
-                with mmap.mmap(fd, nbytes) as mm:
-                    mm[:16] = bytes(16)  # touch it
-            finally:
-                os.close(fd)
-            try:
-                wrappers = [
-                    msgspec.msgpack.Ext(1, msgspec.msgpack.encode({
-                        "type": "cpu_shm",
-                        "shm_name": seg,
-                        "nbytes": nbytes,
-                        "version": 1,
-                        "metadata": {
-                            "dtype": dtype,
-                            "shape": shape,
-                            "stride": _strides(shape),
-                            "storage_offset": layer * layer_elems,
-                            "device_uuid": "cpu",
-                        },
-                    }))
-                    for layer in range(num_layers)
-                ]
-                groups = list(engine_groups) if engine_groups else [
-                    EngineGroupInfo(engine_group_id=0, layer_indices=tuple(range(num_layers)),
-                                    tokens_per_block=block_size)]
-                iid = secrets.randbits(31) + 1
-                client.call(
-                    Op.REGISTER_KV_CACHE,
-                    [iid, wrappers, model_name, world_size, "vllm", hints, groups],
-                )
-                reg.instance_ids.append(iid)
-            finally:
-                with contextlib.suppress(FileNotFoundError):
-                    os.unlink(f"/dev/shm{seg}")
-        return reg
+        os.ftruncate(fd, nbytes)
+        with mmap.mmap(fd, nbytes) as mm:
+            mm[:16] = bytes(16)  # touch it
     finally:
-        client.close()
+        os.close(fd)
+    try:
+        yield seg
+    finally:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(f"/dev/shm{seg}")
+
+
+def _cpu_shm_wrappers(seg: str, nbytes: int, dtype: str, shape: list[int], num_layers: int
+                      ) -> list[msgspec.msgpack.Ext]:
+    """The ``cpu_shm`` IPC wrapper of every layer's tensor, back to back in ``seg``."""
+    layer_elems = _numel(shape)
+    return [
+        msgspec.msgpack.Ext(1, msgspec.msgpack.encode({
+            "type": "cpu_shm",
+            "shm_name": seg,
+            "nbytes": nbytes,
+            "version": 1,
+            "metadata": {
+                "dtype": dtype,
+                "shape": shape,
+                "stride": _strides(shape),
+                "storage_offset": layer * layer_elems,
+                "device_uuid": "cpu",
+            },
+        }))
+        for layer in range(num_layers)
+    ]
 
 
 def register_engine_driven(url: str, model_name: str, *, block_size: int, use_mla: bool,

@@ -49,10 +49,9 @@ SERVER_ENV = {
 #: bytes, ``torch.load``'s storage, and the reverse for a retrieve); glibc serves those
 #: from fresh mmaps (above 32 MiB, or any size in a thread's own arena above its 64 MiB
 #: heaps) and unmaps them on free, so each one page-faults anew. One arena and a 512 MiB
-#: mmap threshold keep them in a reused heap: a 64 MiB pickle store / retrieve 2.9x / 2.6x
-#: faster here with this SDK, ~1.5x with upstream's, at the cost of up to ~0.5 GiB more
-#: resident heap. The SHM plane does not
-#: allocate per request and is unaffected. Variables the caller already set are kept.
+#: mmap threshold keep them in a reused heap: faster pickle-plane calls for more resident
+#: heap (docs/deployment.md). The SHM plane does not allocate per request and is
+#: unaffected. Variables the caller already set are kept.
 MALLOC_TUNING_ENV = {
     "MALLOC_ARENA_MAX": "1",
     "MALLOC_MMAP_THRESHOLD_": str(512 << 20),

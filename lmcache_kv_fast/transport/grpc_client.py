@@ -42,8 +42,8 @@ from lmcache_kv_fast.transport import grpc_codec
 from lmcache_kv_fast.transport.registry import ChannelBase, ChannelRegistry
 from lmcache_kv_fast.transport.urls import parse_grpc_url
 from lmcache_kv_fast.transport.zmq_client import (
-    _POLL_SLICE_MS,
-    _UIDS,
+    POLL_SLICE_MS,
+    UIDS,
     UNRESPONSIVE_TIMEOUT_S,
     PendingCall,
 )
@@ -114,7 +114,7 @@ class GrpcChannel(ChannelBase):
         client = self._client
         method = client.dialect.method(op)
         request = method.encode(client.generation.payloads(op, payloads), raw)
-        uid = next(_UIDS)
+        uid = next(UIDS)
         call = GrpcCall(uid, uid.to_bytes(8, "big"), op, method.path.encode(), time.monotonic())
         with client.active():
             self._inflight[call.uid_frame] = call
@@ -175,7 +175,7 @@ class GrpcChannel(ChannelBase):
             remaining = deadline - time.monotonic()
             if remaining <= 0:
                 return False
-            self.collect(max(1, min(int(remaining * 1000) + 1, _POLL_SLICE_MS)))
+            self.collect(max(1, min(int(remaining * 1000) + 1, POLL_SLICE_MS)))
         return True
 
     def _drain(self) -> None:
@@ -241,7 +241,7 @@ class GrpcChannel(ChannelBase):
                 self.unresponsive = True
                 raise ServerTimeoutError(self._client.timeout_message(call.op, timeout))
             with contextlib.suppress(grpc.FutureTimeoutError, grpc.FutureCancelledError):
-                fut.exception(timeout=min(remaining, _POLL_SLICE_MS / 1000))
+                fut.exception(timeout=min(remaining, POLL_SLICE_MS / 1000))
 
     def _consume(self, call: GrpcCall) -> None:
         with self._client.cv:

@@ -34,7 +34,7 @@ from lmcache_kv_fast.transport.zmq_socket import CHANNEL_OPTIONS, Dealer
 logger = logging.getLogger(__name__)
 
 _NONE = object()  # marker: a 2-frame reply (handler returned None)
-_POLL_SLICE_MS = 100  # wake up this often to notice close()
+POLL_SLICE_MS = 100  # wake up this often to notice close()
 #: After a call of a channel timed out, its later waits (cleanup of the same operation:
 #: commit / free_lookup_locks / end_session ...) give up after this long, until the server
 #: is heard from again, so a dead server costs one timeout per operation, not one per call.
@@ -42,7 +42,7 @@ UNRESPONSIVE_TIMEOUT_S = 0.5
 
 # uids are unique per process (and so per socket); start at a random point so two
 # processes never look alike in server logs.
-_UIDS = itertools.count(int.from_bytes(os.urandom(3), "big"))
+UIDS = itertools.count(int.from_bytes(os.urandom(3), "big"))
 
 
 @dataclass
@@ -82,7 +82,7 @@ class Channel(ChannelBase):
         """
         gen = self._client.generation
         op_value = gen.op_frame_value(op)
-        uid = next(_UIDS)
+        uid = next(UIDS)
         uid_frame = codec.encode(uid)
         op_frame = codec.encode(op_value)
         frames: list[Any] = [uid_frame, op_frame]
@@ -140,7 +140,7 @@ class Channel(ChannelBase):
                 remaining = deadline - time.monotonic()
                 if remaining <= 0:
                     return False
-                if self.sock.poll(max(1, min(int(remaining * 1000) + 1, _POLL_SLICE_MS)),
+                if self.sock.poll(max(1, min(int(remaining * 1000) + 1, POLL_SLICE_MS)),
                                   zmq.POLLIN):
                     self._drain()
         return not self._unacked
@@ -209,7 +209,7 @@ class Channel(ChannelBase):
             if remaining <= 0:
                 self.unresponsive = True
                 raise ServerTimeoutError(self._client.timeout_message(call.op, timeout))
-            wait_ms = max(1, min(int(remaining * 1000) + 1, _POLL_SLICE_MS))
+            wait_ms = max(1, min(int(remaining * 1000) + 1, POLL_SLICE_MS))
             if self.sock.poll(wait_ms, zmq.POLLIN):
                 self._drain()
 

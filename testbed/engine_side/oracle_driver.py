@@ -9,14 +9,18 @@ KV tensors are handed over as ``torch.save`` files in the SDK's documented per-t
 ``[2, L, T, NH*HS]`` (plane 0 = K after rotary embedding, plane 1 = V); that is what
 ``past_key_values`` holds too (``[1, NH, T, HS]`` per layer and plane).
 
-Ops: ``kv`` (K/V of a token sequence) and ``next_logprobs`` (log-softmax of the next-token
-logits after a token sequence, optionally continuing from given K/V as past key values).
+Ops: ``kv`` (K/V of a token sequence), ``next_logprobs`` (log-softmax of the next-token
+logits after a token sequence, optionally continuing from given K/V as past key values) and
+``window_attention`` (the post-RoPE query states of the last positions and the attention
+probabilities transformers computes for them, eager attention).
 """
 
 from __future__ import annotations
 
 import json
 import sys
+from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import Any
 
 import rpc_child
@@ -89,6 +93,51 @@ class Oracle:
             )
         return out.logits[0, -1].float().log_softmax(-1).tolist()
 
+    def window_attention(self, tokens: list[int], window: int, path: str) -> list[int]:
+        """Save the queries and attention of the last ``window`` positions of ``tokens``.
+
+        One forward with eager attention and ``output_attentions=True``; the query states
+        are those transformers' eager attention function receives (after RoPE), captured
+        on their way in. Saves ``{"queries": [L, Hq, W, Dh], "attentions": [L, Hq, W, T]}``
+        (float32): the probabilities are transformers' own, not recomputed.
+        """
+        import torch
+
+        if not 1 <= window <= len(tokens):
+            raise ValueError(f"window must be in 1 .. {len(tokens)}, got {window}")
+        with self._captured_queries() as queries, torch.no_grad():
+            out = self.model(torch.tensor([tokens]), output_attentions=True, use_cache=False)
+        att = torch.stack([a[0, :, -window:] for a in out.attentions]).float()
+        q = torch.stack([x[0, :, -window:] for x in queries]).float()
+        torch.save({"queries": q.contiguous(), "attentions": att.contiguous()}, path)
+        return list(att.shape)
+
+    @contextmanager
+    def _captured_queries(self) -> Iterator[list[Any]]:
+        """Eager attention for the block, each layer's query states appended to the list.
+
+        The model's modeling module looks ``eager_attention_forward`` up when a layer
+        runs, so wrapping that name sees exactly the tensors transformers attends with.
+        """
+        mod = sys.modules[type(self.model).__module__]
+        orig = getattr(mod, "eager_attention_forward", None)
+        if orig is None:
+            raise RuntimeError(f"{mod.__name__} has no eager_attention_forward to wrap")
+        seen: list[Any] = []
+
+        def capture(module: Any, query: Any, *args: Any, **kwargs: Any) -> Any:
+            seen.append(query.detach().clone())
+            return orig(module, query, *args, **kwargs)
+
+        before = self.model.config._attn_implementation
+        self.model.set_attn_implementation("eager")
+        mod.eager_attention_forward = capture
+        try:
+            yield seen
+        finally:
+            mod.eager_attention_forward = orig
+            self.model.set_attn_implementation(before)
+
     def _flatten(self, cache: Any) -> Any:
         import torch
 
@@ -104,7 +153,8 @@ def main() -> None:
     out = rpc_child.take_stdout()
     drv = Oracle(json.loads(sys.argv[1]))
     rpc_child.start_or_fail(out, drv.start)
-    rpc_child.serve(out, {"kv": drv.kv, "next_logprobs": drv.next_logprobs})
+    rpc_child.serve(out, {"kv": drv.kv, "next_logprobs": drv.next_logprobs,
+                          "window_attention": drv.window_attention})
 
 
 if __name__ == "__main__":

@@ -147,6 +147,27 @@ def test_snapkv_from_a_stream_mapping_and_a_callable() -> None:
     assert _kept(edit, kv, _tokens(12)) == [3, 7, 10, 11]
 
 
+def test_snapkv_stream_queries_are_aligned_at_token_0() -> None:
+    """A stream's QUERY tensor holds the prompt's queries from its first token (qcache).
+
+    More rows than the KV (the KV's read covered fewer chunks): its first T are the KV's
+    tokens' queries, so the selection is the aligned one. Fewer rows cannot hold the
+    KV's last tokens: refused, never taken as the last Tq (which given queries mean).
+    """
+    kv, q = _gqa_case()
+    extra = torch.randn(1, 3, q.shape[-1], generator=torch.Generator().manual_seed(9))
+    longer = torch.cat([q, extra], dim=1)[None]
+    inp = {LMCacheSDKCacheKind.KV: kv, LMCacheSDKCacheKind.QUERY: longer}
+    _, tok = edits.snapkv(window=2, kernel=1, budget=4, head_dim=DH)(inp, _tokens(12))
+    assert [t - 100 for t in tok] == [3, 7, 10, 11]
+    inp[LMCacheSDKCacheKind.QUERY] = q[None, :, :10]
+    with pytest.raises(InvalidArgumentError, match="covers 10 tokens but the KV 12"):
+        edits.snapkv(window=2, kernel=1, budget=4, head_dim=DH)(inp, _tokens(12))
+    inp[LMCacheSDKCacheKind.QUERY] = q[None]
+    with pytest.raises(InvalidArgumentError, match="queries_at='after' with the stream"):
+        edits.rkv(window=2, kernel=1, budget=4, head_dim=DH, queries_at="after")(inp, _tokens(12))
+
+
 def _snapkv_reference(kv: torch.Tensor, q: torch.Tensor, window: int, kernel: int,
                       budget: int) -> list[int]:
     """SnapKV spelled out per layer and query head (repeat_kv grouping, causal window).

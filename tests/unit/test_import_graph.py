@@ -159,11 +159,11 @@ def test_detector_finds_a_deferred_cycle_and_resolves_relative_imports(tmp_path)
 def test_graph_covers_the_whole_package(graph):
     root = _package_root()
     assert len(graph) == len([p for p in root.rglob("*.py") if "__pycache__" not in p.parts])
-    for mod in (PACKAGE, f"{PACKAGE}.cli", f"{PACKAGE}.errors", EVENTS, f"{EVENTS}.cli",
+    for mod in (PACKAGE, f"{PACKAGE}.cli", f"{PACKAGE}.errors", EVENTS, f"{EVENTS}.command",
                 f"{PACKAGE}.protocol.codec"):
         assert mod in graph
     # deferred (function-level) imports are edges: cli.cmd_events imports the command
-    assert f"{EVENTS}.cli" in graph[f"{PACKAGE}.cli"]
+    assert f"{EVENTS}.command" in graph[f"{PACKAGE}.cli"]
     assert f"{PACKAGE}.errors" in graph[PACKAGE]
 
 
@@ -175,7 +175,7 @@ def test_package_has_no_import_cycle(graph):
 
 # ------------------------------------------------------------------ events layering
 #: What each module of the events package may import of the package (arrows point down:
-#: cli -> publisher -> {stream, announce, vllm_format}; stream -> stream_io -> endpoint).
+#: command -> publisher -> {stream, announce, vllm_format}; stream -> stream_io -> endpoint).
 EVENTS_ALLOWED: dict[str, set[str]] = {
     "common": set(),
     "endpoint": {"common"},
@@ -187,7 +187,7 @@ EVENTS_ALLOWED: dict[str, set[str]] = {
     "announce": {"common"},
     "vllm_format": {"common"},
     "publisher": {"common", "endpoint", "stream_io", "stream", "announce", "vllm_format"},
-    "cli": {"publisher", "vllm_format"},
+    "command": {"publisher", "vllm_format"},
 }
 
 
@@ -199,7 +199,7 @@ def test_events_package_layering(graph):
                   if d == EVENTS or d.startswith(EVENTS + ".")}
         assert inside <= EVENTS_ALLOWED[short], f"{mod} imports {sorted(inside)}"
         assert EVENTS not in graph[mod], f"{mod} imports the events package facade"
-    importers = sorted(m for m, deps in graph.items() if f"{EVENTS}.cli" in deps)
+    importers = sorted(m for m, deps in graph.items() if f"{EVENTS}.command" in deps)
     # the command (lmcache-kv-fast events) and the facade's deferred events_main
     assert importers == [f"{PACKAGE}.cli", EVENTS]
 
@@ -208,8 +208,8 @@ def test_importing_events_does_not_load_the_command_module():
     code = textwrap.dedent(f"""
         import sys
         import {EVENTS} as ev
-        assert "{EVENTS}.cli" not in sys.modules, "events imported its cli"
-        import {EVENTS}.cli as cli
+        assert "{EVENTS}.command" not in sys.modules, "events imported its cli"
+        import {EVENTS}.command as cli
         assert ev.events_main is not cli.events_main and callable(ev.events_main)
         print("ok")
     """)
