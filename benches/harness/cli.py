@@ -38,10 +38,11 @@ from .stats import add_ratios, rows_of
 from .targets import compute_targets, print_targets, reduced_sizes
 from .w6 import add_w6_args, run_w6
 from .w6 import write_json as write_w6_json
-from .workloads import ENGINE_WORKLOADS, WORKLOADS
+from .workloads import ENGINE_WORKLOADS, OPTIONAL_WORKLOADS, WORKLOADS
 
-#: The workloads run without ``--engine``.
-DEFAULT_WORKLOADS = tuple(w for w in WORKLOADS if w not in ENGINE_WORKLOADS)
+#: The workloads run without ``--engine`` when none are named.
+DEFAULT_WORKLOADS = tuple(w for w in WORKLOADS
+                          if w not in ENGINE_WORKLOADS and w not in OPTIONAL_WORKLOADS)
 
 
 def thread_list(text: str | None, cores: int) -> list[int]:
@@ -86,7 +87,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="CI-sized run (< 2 minutes; its target verdicts are only indicative)")
     g.add_argument("--workloads", default=",".join(DEFAULT_WORKLOADS),
                    help=f"subset of {','.join(DEFAULT_WORKLOADS)} (W5: --engine; W3P: W3 "
-                        "with the plain edit fn, no alloc)")
+                        "with the plain edit fn, no alloc), or W7 (only when named): rewrite "
+                        "with SnapKV + re-rotation at Llama-3.2-1B's geometry, batch.rewrite "
+                        "with the library edit vs upstream's loop with it in plain torch")
     g.add_argument("--engine", action="store_true",
                    help="run W5, the engine loop, instead: a real vLLM CPU engine (.venv-engine, "
                         "scripts/engine-venv.sh) prefills N prompts, the SDK retrieves per-token "
@@ -111,6 +114,9 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--w3-no-alloc", action="store_true",
                    help="W3's batch edit ignores rewrite's pooled output allocator (allocates "
                         "fresh memory like the sequential loop)")
+    g.add_argument("--w7-sequences", type=int, help="W7 sequences (default 16, quick 3)")
+    g.add_argument("--w7-tokens", type=int, help="W7 tokens per sequence (default 2048)")
+    g.add_argument("--w7-reps", type=int, help="W7 timed reps (default 2)")
     g.add_argument("--w4-mib", type=float, help="W4 tensor size (rounded to whole chunks)")
     g.add_argument("--reps", type=int, help="timed reps of W1 ops")
     g.add_argument("--warmup", type=int, help="untimed warm-up reps")
@@ -135,6 +141,8 @@ def resolve_sizes(args: argparse.Namespace) -> Sizes:
                        ("w2_layers", "w2_layers"), ("w2_ops", "w2_ops"),
                        ("w3_sequences", "w3_sequences"), ("w3_tokens", "w3_tokens"),
                        ("w3_reps", "w3_reps"), ("w3_drop_k", "w3_k"), ("reps", "reps"),
+                       ("w7_sequences", "w7_sequences"), ("w7_tokens", "w7_tokens"),
+                       ("w7_reps", "w7_reps"),
                        ("warmup", "warmup"), ("ic_reps", "ic_reps")]:
         v = getattr(args, flag)
         if v is not None:
@@ -144,7 +152,7 @@ def resolve_sizes(args: argparse.Namespace) -> Sizes:
     if args.w4_mib is not None:
         per_chunk = kv_nbytes(s.w1_layers, s.chunk)
         s.w4_tokens = max(1, round(args.w4_mib * MiB / per_chunk)) * s.chunk
-    for name in ("w1_tokens", "w3_tokens", "w4_tokens"):
+    for name in ("w1_tokens", "w3_tokens", "w4_tokens", "w7_tokens"):
         v = getattr(s, name)
         if v % s.chunk:
             setattr(s, name, max(s.chunk, v // s.chunk * s.chunk))

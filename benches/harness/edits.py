@@ -1,12 +1,14 @@
-"""W3's edit functions (what ``batch.rewrite`` and the sequential loops apply).
+"""W3's and W7's edit functions (what ``batch.rewrite`` and the sequential loops apply).
 
 :data:`EDITS` maps ``--w3-edit`` to the function. Each takes ``(kv, tokens, k, *,
-alloc=None)`` and returns the edited ``(kv, tokens)``. Torch is imported where needed:
-the worker interpreters import this module.
+alloc=None)`` and returns the edited ``(kv, tokens)``. W7's plain-torch SnapKV with
+re-rotation (:func:`snapkv_rerotate_plain`) is what upstream's loop applies. Torch is
+imported where needed: the worker interpreters import this module.
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -60,6 +62,78 @@ def drop_every_kth_plain(kv: Any, tokens: Sequence[int], k: int = 10) -> tuple[A
 
     keep = [i for i in range(len(tokens)) if i % k != k - 1]
     return kv.index_select(2, torch.tensor(keep)), [tokens[i] for i in keep]
+
+
+# ---------------------------------------------------------------------------- W7
+#: Llama-3.2-1B's RoPE (``config.json``): what W7's edit re-rotates with.
+LLAMA32_1B_ROPE = {"rope_theta": 500000.0, "factor": 32.0, "low_freq_factor": 1.0,
+                   "high_freq_factor": 4.0, "original_max_position_embeddings": 8192,
+                   "head_dim": 64}
+#: Llama-3.2-1B's attention heads (W7's queries: ``[L, window, 32 * 64]``).
+LLAMA32_1B_QUERY_HEADS = 32
+
+
+def llama3_inv_freq(rope: dict[str, float]) -> Any:
+    """Llama 3's band-scaled RoPE frequencies, written out as a user copies them."""
+    import torch
+
+    dim = int(rope["head_dim"])
+    inv = 1.0 / rope["rope_theta"] ** (torch.arange(0, dim, 2, dtype=torch.float32) / dim)
+    old = rope["original_max_position_embeddings"]
+    low, high, factor = rope["low_freq_factor"], rope["high_freq_factor"], rope["factor"]
+    wavelen = 2 * math.pi / inv
+    scaled = torch.where(wavelen > old / low, inv / factor, inv)
+    smooth = (old / wavelen - low) / (high - low)
+    smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+    medium = (wavelen >= old / high) & (wavelen <= old / low)
+    return torch.where(medium, smoothed, scaled)
+
+
+def w7_queries(layers: int, window: int, seed: int = 7) -> Any:
+    """W7's given queries: random, fixed by ``seed``, ``[L, window, 32 * 64]`` bf16."""
+    import torch
+
+    gen = torch.Generator().manual_seed(seed)
+    width = LLAMA32_1B_QUERY_HEADS * int(LLAMA32_1B_ROPE["head_dim"])
+    return torch.randn(layers, window, width, generator=gen).to(torch.bfloat16)
+
+
+def snapkv_rerotate_plain(kv: Any, tokens: Sequence[int], queries: Any, inv_freq: Any, *,
+                          window: int = 32, kernel: int = 7, ratio: float = 0.5,
+                          head_dim: int = 64) -> tuple[Any, list[int]]:
+    """W7's edit in plain torch, as a user writes it after SnapKV's reference code.
+
+    Per layer: repeat the KV heads for the query groups, the window's causal attention
+    (softmax over keys, summed over the window), max-pooled votes averaged over heads and
+    layers; keep the top ``ceil(ratio * T) - window`` tokens plus the window, gather them
+    (a fresh tensor), then re-rotate the kept keys to ``0 .. T'-1`` with ``rotate_half``.
+    """
+    import torch
+    import torch.nn.functional as F
+
+    layers, count, width = kv.shape[1], kv.shape[2], kv.shape[3]
+    n_kv = width // head_dim
+    votes = torch.zeros(count - window)
+    mask = torch.arange(count)[None, :] > torch.arange(count - window, count)[:, None]
+    for layer in range(layers):
+        q = queries[layer, -window:].float().view(window, -1, head_dim).transpose(0, 1)
+        k = kv[0, layer].float().view(count, n_kv, head_dim).transpose(0, 1)
+        k = k.repeat_interleave(q.shape[0] // n_kv, dim=0)  # repeat_kv
+        att = (q @ k.transpose(1, 2)) / math.sqrt(head_dim)  # [Hq, W, T]
+        att = att.masked_fill(mask, float("-inf")).softmax(dim=-1).sum(dim=1)
+        pooled = F.max_pool1d(att[:, None, : count - window], kernel, 1, kernel // 2)
+        votes += pooled[:, 0].mean(dim=0)
+    n = max(0, math.ceil(ratio * count) - window)
+    top = votes.topk(min(n, count - window)).indices.sort().values
+    keep = torch.cat([top, torch.arange(count - window, count)])
+    out = kv[:, :, keep]
+    angle = (torch.arange(len(keep)) - keep).float()[:, None] * inv_freq[None, :]
+    cos, sin = torch.cat([angle.cos()] * 2, -1)[:, None], torch.cat([angle.sin()] * 2, -1)[:, None]
+    k = out[0].float().view(layers, len(keep), n_kv, head_dim)
+    half = head_dim // 2
+    rotated = torch.cat([-k[..., half:], k[..., :half]], dim=-1)
+    out[0] = (k * cos + rotated * sin).view(layers, len(keep), width).to(kv.dtype)
+    return out, [tokens[i] for i in keep.tolist()]
 
 
 #: ``--w3-edit`` choices (the first is the default).

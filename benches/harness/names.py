@@ -11,7 +11,7 @@ __all__ = [
     "UPSTREAM_PICKLE", "UPSTREAM_T1", "W1_COPY_COLD", "W1_COPY_COLD_SHM", "W1_COPY_WARM",
     "W1_RET_COLD", "W1_RET_OUT", "W1_RET_WARM", "W1_STORE_COLD", "W1_STORE_WARM", "W2_COPY",
     "W2_RET", "W2_STORE", "W3", "W3P", "W3P_BATCH", "W3P_SEQ", "W3_BATCH", "W3_SEQ", "W4_COPY",
-    "W4_RET", "W4_STORE",
+    "W4_RET", "W4_STORE", "W7", "W7_BATCH", "W7_EDIT", "W7_LOOP", "W7_RET",
     "kvf_native", "roofline",
 ]
 
@@ -42,4 +42,9 @@ W3, W3_SEQ, W3_BATCH = "W3", "W3 rewrite sequential", "W3 rewrite batch"
 #: ``alloc``) for every contender, driven as one op ("W3P") like W3.
 W3P, W3P_SEQ, W3P_BATCH = "W3P", "W3P loop (plain fn)", "W3P batch (plain fn)"
 W4_STORE, W4_RET, W4_COPY = "W4 store", "W4 retrieve", "W4 copy"
+#: W7: rewrite with SnapKV + re-rotation at Llama-3.2-1B's geometry, driven as one op:
+#: ``batch.rewrite`` with the library edit vs upstream's loop with the edit in plain torch,
+#: and (this SDK) one sequence's retrieve and the library edit's own time.
+W7, W7_LOOP, W7_BATCH = "W7", "W7 loop (plain-torch SnapKV+rope)", "W7 batch (edits.snapkv+rope)"
+W7_RET, W7_EDIT = "W7 retrieve (1 sequence)", "W7 edit (1 sequence)"
 IC_TORCH, IC_KVF, IC_UP = "import torch", "kvfast import+connect", "upstream import+connect"

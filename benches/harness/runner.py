@@ -108,11 +108,11 @@ def run(args: argparse.Namespace, s: Sizes, workloads: Sequence[str], *,
     res = RunResult()
     with contextlib.ExitStack() as stack:
         shm, pick = stack.enter_context(servers(args, s, workloads, notes))
-        register_models(shm, {"w1": s.w1_layers, "w2": s.w2_layers}, stack,
-                        args.server_version)
+        models = {"w1": s.w1_layers, "w2": s.w2_layers,
+                  "w7": (s.w7_layers, s.w7_kv_heads, s.w7_head_dim)}
+        register_models(shm, models, stack, args.server_version)
         if pick is not None:
-            register_models(pick, {"w1": s.w1_layers, "w2": s.w2_layers}, stack,
-                            args.server_version)
+            register_models(pick, models, stack, args.server_version)
         res.servers = {"shm": asdict(shm), "pickle": asdict(pick) if pick else None}
         base_spec = _base_spec(args, s, workloads, threads, default_threads, shm, pick)
         if base_spec["upstream_python"]:

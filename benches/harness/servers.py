@@ -127,10 +127,16 @@ def server_python(args: argparse.Namespace) -> str | None:
     return py
 
 
-def register_models(srv: Server, which: dict[str, int], stack: contextlib.ExitStack,
-                    lmcache_version: str | None = None) -> None:
-    """Register a vLLM-like layout per ``{key: layers}`` on ``srv`` (unregistered by ``stack``).
+def _geometry(spec: int | tuple[int, int, int]) -> tuple[int, int, int]:
+    """``(layers, kv_heads, head_size)``: a bare layer count has the bench's 8 x 128 heads."""
+    return (spec, KV_HEADS, HEAD_SIZE) if isinstance(spec, int) else spec
 
+
+def register_models(srv: Server, which: dict[str, int | tuple[int, int, int]],
+                    stack: contextlib.ExitStack, lmcache_version: str | None = None) -> None:
+    """Register a vLLM-like layout on ``srv`` per ``{key: layers}`` (unregistered by ``stack``).
+
+    A value is a layer count (8 KV heads x 128) or ``(layers, kv_heads, head_size)``.
     Over gRPC the registration is made by the server version's own client in a child
     (``register_vllm_layout`` speaks ZMQ); ``lmcache_version`` names it (None: 0.5.6).
     """
@@ -141,16 +147,17 @@ def register_models(srv: Server, which: dict[str, int], stack: contextlib.ExitSt
         _register_with_their_client(srv, which, stack, lmcache_version or "0.5.6")
         return
     gen = generation_for(srv.version or "") or NEWEST
-    for key, layers in which.items():
+    for key, spec in which.items():
+        layers, heads, size = _geometry(spec)
         name = f"bench-{key}-L{layers}-{os.getpid()}"
-        reg = register_vllm_layout(srv.url, name, num_layers=layers, num_kv_heads=KV_HEADS,
-                                   head_size=HEAD_SIZE, generation=gen)
+        reg = register_vllm_layout(srv.url, name, num_layers=layers, num_kv_heads=heads,
+                                   head_size=size, generation=gen)
         stack.callback(_quiet, reg.unregister)
         srv.models[key] = name
 
 
-def _register_with_their_client(srv: Server, which: dict[str, int], stack: contextlib.ExitStack,
-                                version: str) -> None:
+def _register_with_their_client(srv: Server, which: dict[str, int | tuple[int, int, int]],
+                                stack: contextlib.ExitStack, version: str) -> None:
     import tempfile
 
     from testbed.compat import TheirSDK
@@ -158,10 +165,11 @@ def _register_with_their_client(srv: Server, which: dict[str, int], stack: conte
     workdir = tempfile.mkdtemp(prefix="lmckvf-bench-reg-")
     theirs = TheirSDK(version, srv.url, srv.http_url, workdir).start()
     stack.callback(_quiet, theirs.stop)  # after the unregistrations below (LIFO)
-    for key, layers in which.items():
+    for key, spec in which.items():
+        layers, heads, size = _geometry(spec)
         name = f"bench-{key}-L{layers}-{os.getpid()}"
-        iid = theirs.register_hnd(name, num_layers=layers, num_kv_heads=KV_HEADS,
-                                  head_size=HEAD_SIZE)
+        iid = theirs.register_hnd(name, num_layers=layers, num_kv_heads=heads,
+                                  head_size=size)
         stack.callback(_quiet, lambda iid=iid: theirs.unregister(iid))
         srv.models[key] = name
 

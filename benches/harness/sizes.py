@@ -43,6 +43,15 @@ class Sizes:
     w3_k: int = 10
     w3_reps: int = 2
     w3_warmup: int = 1
+    w7_sequences: int = 16
+    w7_tokens: int = 2048
+    w7_layers: int = 16
+    w7_kv_heads: int = 8
+    w7_head_dim: int = 64
+    w7_window: int = 32
+    w7_ratio: float = 0.5
+    w7_reps: int = 2
+    w7_warmup: int = 1
     w4_tokens: int = 512
     w4_reps: int = 15
     reps: int = 7
@@ -83,6 +92,19 @@ class Sizes:
         return self.w3_moved_bytes
 
     @property
+    def w7_seq_bytes(self) -> int:
+        """Bytes of one W7 sequence (Llama-3.2-1B's geometry, bf16)."""
+        return 2 * self.w7_layers * self.w7_tokens * self.w7_kv_heads * self.w7_head_dim * \
+            ITEMSIZE
+
+    @property
+    def w7_moved_bytes(self) -> int:
+        """KV bytes one W7 rewrite moves: every retrieve plus every (kept, whole-chunk) store."""
+        kept = math.ceil(self.w7_ratio * self.w7_tokens) // self.chunk * self.chunk
+        return self.w7_sequences * (self.w7_seq_bytes +
+                                    self.w7_seq_bytes * kept // self.w7_tokens)
+
+    @property
     def w4_bytes(self) -> int:
         """Bytes of the W4 tensor (W1 model)."""
         return kv_nbytes(self.w1_layers, self.w4_tokens)
@@ -90,7 +112,7 @@ class Sizes:
 
 QUICK = {"w1_tokens": 1024, "w2_ops": 20, "w2_warmup": 2, "w3_sequences": 3, "w3_tokens": 512,
          "w3_reps": 1, "w3_warmup": 1, "w4_tokens": 256, "w4_reps": 5, "reps": 3, "warmup": 1,
-         "ic_reps": 1, "ic_warmup": 0}
+         "ic_reps": 1, "ic_warmup": 0, "w7_sequences": 3, "w7_tokens": 512, "w7_reps": 1}
 
 
 def shm_l1_gib(s: Sizes, workloads: Sequence[str]) -> float:
@@ -98,6 +120,8 @@ def shm_l1_gib(s: Sizes, workloads: Sequence[str]) -> float:
     need = 6 * max(s.w1_bytes, s.w2_bytes)
     if "W3" in workloads or "W3P" in workloads:
         need = max(need, int(s.w3_resident_bytes / 0.75) + s.w3_seq_bytes)
+    if "W7" in workloads:
+        need = max(need, int(s.w7_moved_bytes / 0.75) + s.w7_seq_bytes)
     return max(1.0, math.ceil(need / GiB * 2) / 2)
 
 

@@ -16,7 +16,7 @@ from typing import Any
 from .names import kvf_native, roofline
 from .sizes import Sizes
 from .stats import Key, Row, fmt, roofline_ref, speedup
-from .workloads import TARGET_ORDER, TargetSpec, workload
+from .workloads import OPTIONAL_WORKLOADS, TARGET_ORDER, TargetSpec, workload
 
 
 @dataclass
@@ -93,9 +93,15 @@ def samples_during(rec: dict[str, Any], during: str | None) -> list[float]:
     return xs or list(rec["samples"])
 
 
-def target_specs() -> list[TargetSpec]:
-    """Every workload's targets, in the order of the targets section."""
-    return [t for name in TARGET_ORDER for t in workload(name).targets]
+def target_specs(ops_run: set[str] | None = None) -> list[TargetSpec]:
+    """Every workload's targets, in the order of the targets section.
+
+    With ``ops_run`` (the ops that have records), an optional workload's targets (one
+    run only when named, such as W7) are left out when none of its ops ran.
+    """
+    return [t for name in TARGET_ORDER for t in workload(name).targets
+            if ops_run is None or name not in OPTIONAL_WORKLOADS
+            or ops_run & set(workload(name).ops)]
 
 
 Pair = tuple[float | None, float | None]
@@ -145,7 +151,7 @@ def compute_targets(rows: dict[Key, Row], records: dict[Key, dict[str, Any]],
     """Every target of issue 4 from one run (see :func:`speedup`; ``best``: of minima)."""
     names = {"ours": kvf_native(default_threads), "roof": roofline(default_threads)}
     out: list[Target] = []
-    for spec in target_specs():
+    for spec in target_specs({op for (_path, op) in records}):
         a = (spec.a[0].format(**names), spec.a[1])
         b = (spec.b[0].format(**names), spec.b[1])
         vals, how, ceiling = _measure(spec, a, b, rows, records, ic, default_threads)

@@ -19,7 +19,15 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from .edits import EDITS, drop_every_kth, drop_every_kth_plain
+from .edits import (
+    EDITS,
+    LLAMA32_1B_ROPE,
+    drop_every_kth,
+    drop_every_kth_plain,
+    llama3_inv_freq,
+    snapkv_rerotate_plain,
+    w7_queries,
+)
 from .helpers import malloc_trim, same_bytes
 from .names import UPSTREAM, W3P
 from .sizes import GiB
@@ -275,9 +283,142 @@ def rewrite_state(w: Worker, d: Driven, variants: Sequence[Variant]) -> OpState:
     return OpState(d.name, [variant], run_rep, s.w3_moved_bytes, warmup, record=False)
 
 
+# ---------------------------------------------------------------------------- W7
+def _library_snapkv(s: Any, queries: Any) -> Any:
+    """W7's library edit: ``edits.snapkv`` with Llama-3.2-1B's RoPE (this SDK's worker)."""
+    from lmcache_kv_fast import edits
+
+    cfg = {"model_type": "llama", "head_dim": LLAMA32_1B_ROPE["head_dim"],
+           "rope_theta": LLAMA32_1B_ROPE["rope_theta"],
+           "rope_scaling": {"rope_type": "llama3", **{k: v for k, v in LLAMA32_1B_ROPE.items()
+                                                      if k not in ("head_dim", "rope_theta")}}}
+    return edits.snapkv(queries, s.w7_window, 7, ratio=s.w7_ratio,
+                        rope=edits.rope_from_config(cfg))
+
+
+def _normal_kv(w: Worker, s: Any) -> Any:
+    """W7's KV: standard normal bf16, fixed seed (the scores' matmuls on ``random_kv``'s
+    bit patterns would run on denormals, tens of times slower than on real keys)."""
+    torch = w.torch
+    gen = torch.Generator().manual_seed(w.spec.get("seed", 0) + 35)
+    shape = (2, s.w7_layers, s.w7_tokens, s.w7_kv_heads * s.w7_head_dim)
+    return torch.randn(shape, generator=gen).to(torch.bfloat16)
+
+
+def _edit_thread(threads: int) -> Any:
+    """One thread that runs edits as ``batch.rewrite``'s edit thread does.
+
+    Its own intra-op thread count (``set_thread_intraop_threads``) and ``PooledOutputs``
+    around each call. (On the project's loaded 2-core box the same edit on the main
+    thread at 2 intra-op threads took 3-10x longer than on such a thread.)
+    """
+    from concurrent.futures import ThreadPoolExecutor
+
+    from lmcache_kv_fast.batch._policy import set_thread_intraop_threads
+
+    return ThreadPoolExecutor(1, thread_name_prefix="w7-edit",
+                              initializer=set_thread_intraop_threads, initargs=(threads,))
+
+
+def _timed_edit(edit: Any, kv: Any, prompt: list[int]) -> float:
+    """Seconds of ``edit(kv, prompt)`` inside ``PooledOutputs`` (on the edit thread)."""
+    from lmcache_kv_fast.batch._policy import PooledOutputs
+    from lmcache_kv_fast.copy.select import backend
+
+    with PooledOutputs(backend().alloc_result):
+        t0 = time.perf_counter()
+        out = edit(kv, prompt)
+        dt = time.perf_counter() - t0
+    del out
+    return dt
+
+
+def _one_sequence(ctx: Any, prompt: list[int], edit: Any, pool: Any) -> tuple[float, float]:
+    """(retrieve s, edit s) of one sequence."""
+    t0 = time.perf_counter()
+    kv = ctx.retrieve(prompt)
+    t1 = time.perf_counter()
+    if kv is None:
+        raise Broken("W7: a seeded sequence was not found")
+    return t1 - t0, pool.submit(_timed_edit, edit, kv, prompt).result()
+
+
+def edit_rewrite_state(w: Worker, d: Driven, variants: Sequence[Variant]) -> OpState:
+    """W7: SnapKV + re-rotation of ``--w7-sequences`` sequences, per rep.
+
+    This SDK's worker: ``batch.rewrite`` with the library edit, then each sequence's
+    retrieve and the library edit on it alone, on a thread set up like rewrite's edit
+    thread (one sample each per sequence); upstream's
+    worker: its loop (retrieve, :func:`.edits.snapkv_rerotate_plain`, store).
+    """
+    variant, s = variants[0], w.s
+    rng = random.Random(w.spec.get("seed", 0) + 7)
+    prompts = [[rng.randrange(0, 100_000) for _ in range(s.w7_tokens)]
+               for _ in range(s.w7_sequences)]
+    src = _normal_kv(w, s)
+    ctx = w.ctx(variant.server, w.spec["models"]["w7"])
+    queries = w7_queries(s.w7_layers, s.w7_window)
+    loop_op, batch_op, ret_op, edit_op = d.records
+    warmup = op_reps(d.name, s)[0]
+    native = w.kind == "native"
+    edit = _library_snapkv(s, queries) if native else None
+    pool = _edit_thread(w.torch.get_num_threads()) if native else None
+    inv_freq = llama3_inv_freq(LLAMA32_1B_ROPE)
+
+    def plain(kv: Any, toks: Sequence[int]) -> tuple[Any, list[int]]:
+        return snapkv_rerotate_plain(kv, toks, queries, inv_freq, window=s.w7_window,
+                                     ratio=s.w7_ratio, head_dim=s.w7_head_dim)
+
+    def loop() -> int:
+        return sum(bool((kv := ctx.retrieve(p)) is not None and ctx.store(*plain(kv, p)))
+                   for p in prompts)
+
+    def batched() -> int:
+        from lmcache_kv_fast import batch
+
+        return batch.rewrite(ctx, prompts, edit, progress=False).ok
+
+    def seed(v: Variant, op: str) -> bool:
+        w.clear(v.server)
+        seeded = sum(bool(ctx.store(src, p)) for p in prompts)
+        if seeded != len(prompts):
+            w.record(v.path, op, s.w7_moved_bytes, None,
+                     f"seeding stored {seeded}/{len(prompts)} sequences (L1 too small?)")
+        gc.collect()
+        return seeded == len(prompts)
+
+    def run_rep(v: Variant, i: int) -> None:
+        op, run = (batch_op, batched) if native else (loop_op, loop)
+        if seed(v, op):
+            t0 = time.perf_counter()
+            ok = run()
+            dt = time.perf_counter() - t0
+            if i >= warmup:
+                good = ok == len(prompts)
+                w.record(v.path, op, s.w7_moved_bytes, dt if good else None,
+                         "" if good else f"{ok}/{len(prompts)} sequences rewritten",
+                         rep=i - warmup, during=d.name)
+        if native and seed(v, ret_op):
+            for p in prompts:
+                r, e = _one_sequence(ctx, p, edit, pool)
+                if i >= warmup:
+                    w.record(v.path, ret_op, s.w7_seq_bytes, r, rep=i - warmup, during=d.name)
+                    w.record(v.path, edit_op, s.w7_seq_bytes, e, rep=i - warmup,
+                             during=d.name)
+        w.clear(v.server)
+
+    def end() -> None:
+        if pool is not None:
+            pool.shutdown()
+
+    return OpState(d.name, [variant], run_rep, s.w7_moved_bytes, warmup, record=False,
+                   end=end)
+
+
 #: The builder of each ``Driven.action``.
 BUILDERS: dict[str, Callable[[Worker, Driven, Sequence[Variant]], OpState]] = {
     "store": transfer_state,
     "retrieve": transfer_state,
     "rewrite": rewrite_state,
+    "edit_rewrite": edit_rewrite_state,
 }

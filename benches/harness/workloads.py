@@ -52,6 +52,11 @@ from .names import (
     W4_COPY,
     W4_RET,
     W4_STORE,
+    W7,
+    W7_BATCH,
+    W7_EDIT,
+    W7_LOOP,
+    W7_RET,
     kvf_native,
     roofline,
 )
@@ -81,7 +86,7 @@ class Driven:
     Attributes:
         name: The op (also the record's op, unless said otherwise below).
         action: What a worker does in it: the builder in :data:`.worker_ops.BUILDERS`
-            (``store``, ``retrieve``, ``rewrite``).
+            (``store``, ``retrieve``, ``rewrite``, ``edit_rewrite``).
         roof: The op the roofline copy timed along in its reps is recorded under (None:
             no roofline copy).
         cold: ``store``: into fresh L1 pages (punched first), its roofline copy into
@@ -281,6 +286,35 @@ W3P_WORKLOAD = Workload(
     ),
 )
 
+# ---------------------------------------------------------------------------- W7
+def _w7_plan(g: PathGroups) -> dict[str, list[Variant]]:
+    plan = _w3_plan(g)
+    return {W7: plan[W3]} if W3 in plan else {}
+
+
+#: Rewrite with SnapKV + re-rotation (issue 35) at Llama-3.2-1B's KV geometry (16 layers x
+#: 8 KV heads x 64, bf16): ``batch.rewrite`` with ``edits.snapkv(queries, rope=...)`` (the
+#: queries random but fixed, given by the caller) against upstream's loop (retrieve, the
+#: same edit in plain torch, store); also one sequence's retrieve and the library edit's
+#: own time on it (inside ``PooledOutputs``, as ``rewrite`` runs it). ``--w7-*`` sizes.
+W7_WORKLOAD = Workload(
+    name="W7",
+    ops=(W7_LOOP, W7_BATCH, W7_RET, W7_EDIT),
+    driven=(Driven(W7, "edit_rewrite", ping=False, records=(W7_LOOP, W7_BATCH, W7_RET,
+                                                            W7_EDIT)),),
+    reps=lambda s: (s.w7_warmup, s.w7_reps),
+    plan=_w7_plan,
+    shape=lambda s: (2, s.w7_layers, s.w7_tokens, s.w7_kv_heads * s.w7_head_dim),
+    model="w7",
+    refs={W7_BATCH: W7_LOOP},
+    targets=(
+        TargetSpec("W7 SnapKV+rope: batch.rewrite vs upstream loop", "speed", (OURS, W7_BATCH),
+                   (UPSTREAM, W7_LOOP), ">=", 3.0, OURS),
+        TargetSpec("W7 SnapKV+rope: edit / retrieve of one sequence", "p50", (OURS, W7_EDIT),
+                   (OURS, W7_RET), "<=", 1.0, OURS),
+    ),
+)
+
 # ---------------------------------------------------------------------------- W4
 W4_WORKLOAD = Workload(
     name="W4",
@@ -316,13 +350,15 @@ IC_WORKLOAD = Workload(
 W5_WORKLOAD = Workload(name="W5")
 #: Workloads that need a real engine (only with ``--engine``; not in the default list).
 ENGINE_WORKLOADS: tuple[str, ...] = ("W5",)
+#: Workloads run only when named (``--workloads W7``): not in the default list.
+OPTIONAL_WORKLOADS: tuple[str, ...] = ("W7",)
 
 # ---------------------------------------------------------------------------- registry
 #: Every workload, in table and driving order.
 REGISTRY: tuple[Workload, ...] = (W1_WORKLOAD, W2_WORKLOAD, W3_WORKLOAD, W3P_WORKLOAD,
-                                  W4_WORKLOAD, IC_WORKLOAD, W5_WORKLOAD)
+                                  W4_WORKLOAD, IC_WORKLOAD, W5_WORKLOAD, W7_WORKLOAD)
 #: The order of the targets section (W3's targets have always come last); new ones append.
-TARGET_ORDER: tuple[str, ...] = ("W1", "W2", "W4", "IC", "W3", "W3P")
+TARGET_ORDER: tuple[str, ...] = ("W1", "W2", "W4", "IC", "W3", "W3P", "W7")
 
 WORKLOADS = tuple(w.name for w in REGISTRY)
 #: The table's rows, in order.

@@ -34,22 +34,42 @@ def _check_rope(rope: object) -> RoPE:
     return rope
 
 
-def _rotate_plane(k: torch.Tensor, rot: torch.Tensor, rope: RoPE) -> None:
-    """Rotate the rotary dims of ``k`` ``[T, H, head_dim]`` in place (fp32 math).
+#: Elements of one fp32 temporary of :func:`_rotate_chunks` (512 KiB: cache-sized, and
+#: few enough ops that the per-op cost of a dispatch mode stays small).
+_CHUNK_ELEMS = 1 << 17
 
-    Each pair becomes one complex number (real: first member, imaginary: second) and is
-    multiplied by ``rot`` ``[T, 1, rotary_dim/2]`` (``exp(i * angle)``): one float32 copy
-    in, one multiply, one cast back.
+
+def _cos_sin(delta: torch.Tensor, rope: RoPE) -> tuple[torch.Tensor, torch.Tensor]:
+    """``cos`` and ``sin`` of ``delta * inv_freq`` ``[T, 1, rotary_dim/2]`` (float64 angles)."""
+    angle = delta.to(torch.float64)[:, None] * rope.inv_freq().to(torch.float64)[None, :]
+    return angle.cos().to(torch.float32)[:, None, :], angle.sin().to(torch.float32)[:, None, :]
+
+
+def _rotate_chunks(k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, rope: RoPE) -> None:
+    """Rotate the rotary dims of ``k`` ``[L, T, H, head_dim]`` in place (fp32 math).
+
+    Each pair ``(x1, x2)`` (neox: dims ``i, i + rotary_dim/2``; interleaved: ``2i, 2i+1``)
+    becomes ``(x1 cos - x2 sin, x2 cos + x1 sin)``: the complex product ``(x1 + i x2)
+    e^{i angle}``. Token slices across all layers at once, so every temporary stays
+    cache-sized and the cos/sin tables are computed once.
     """
+    layers, count, n_heads, _ = k.shape
     half = rope.rotary_dim // 2
-    x = k[..., :rope.rotary_dim]
-    # pairs on the last axis: (2i, 2i+1) interleaved, (i, i+half) neox
-    pairs = x.unflatten(-1, (half, 2)) if rope.interleaved else \
-        x.unflatten(-1, (2, half)).transpose(-1, -2)
-    z = torch.view_as_complex(pairs.to(torch.float32, memory_format=torch.contiguous_format)
-                              .contiguous())
-    z.mul_(rot)
-    pairs.copy_(torch.view_as_real(z))
+    step = max(1, _CHUNK_ELEMS // max(1, layers * n_heads * half))
+    for t0 in range(0, count, step):
+        x = k[:, t0:t0 + step]
+        if rope.interleaved:
+            x1, x2 = x[..., 0:rope.rotary_dim:2], x[..., 1:rope.rotary_dim:2]
+        else:
+            x1, x2 = x[..., :half], x[..., half:rope.rotary_dim]
+        c, s = cos[t0:t0 + step], sin[t0:t0 + step]
+        a = x1.to(torch.float32)
+        b = x2.to(torch.float32)
+        n1 = a * c
+        n1.addcmul_(b, s, value=-1.0)
+        b.mul_(c).addcmul_(a, s)
+        x1.copy_(n1)
+        x2.copy_(b)
 
 
 def rerotate(kv: torch.Tensor, old_positions: Sequence[int] | torch.Tensor, rope: RoPE,
@@ -68,7 +88,7 @@ def rerotate(kv: torch.Tensor, old_positions: Sequence[int] | torch.Tensor, rope
 
     Returns:
         A new tensor (or ``kv`` when ``inplace``) with K rotated by ``new - old`` (computed
-        in float32, angles in float64, cast back to ``kv``'s dtype) and V bit-identical.
+        in float32 from float64 angles, cast back to ``kv``'s dtype) and V bit-identical.
 
     Raises:
         InvalidArgumentError: No RoPE, a KV that is not ``[2, L, T', D]``, ``D`` not a
@@ -76,7 +96,7 @@ def rerotate(kv: torch.Tensor, old_positions: Sequence[int] | torch.Tensor, rope
     """
     rope = _check_rope(rope)
     kv = check_kv(kv)
-    _, layers, count, width = kv.shape
+    _, _, count, width = kv.shape
     if width % rope.head_dim:
         raise InvalidArgumentError(f"kv: last dim {width} is not a whole number of heads of "
                                    f"rope.head_dim={rope.head_dim}")
@@ -86,13 +106,11 @@ def rerotate(kv: torch.Tensor, old_positions: Sequence[int] | torch.Tensor, rope
     out = kv if inplace else kv.clone()
     if count == 0 or bool(torch.equal(old, new)):
         return out
-    angle = (new - old).to(torch.float64)[:, None] * rope.inv_freq().to(torch.float64)[None, :]
-    rot = torch.polar(torch.ones_like(angle), angle).to(torch.complex64)[:, None, :]
+    cos, sin = _cos_sin(new - old, rope)
     try:
         k_heads = heads(out[0], rope.head_dim, "kv")
     except RuntimeError as exc:
         raise InvalidArgumentError(f"kv: inplace re-rotation needs rows whose heads can be "
                                    f"viewed (contiguous last dim): {exc}") from exc
-    for layer in range(layers):
-        _rotate_plane(k_heads[layer], rot, rope)
+    _rotate_chunks(k_heads, cos, sin, rope)
     return out

@@ -214,7 +214,8 @@ class SnapKV(Selection):
     def _pooled(self, att: torch.Tensor, window: int) -> torch.Tensor:
         """``att`` pooled over the tokens before the window; the window's scores zeroed."""
         prefix = att.shape[-1] - window
-        att[..., :prefix] = pool(att[..., :prefix], self.kernel, self.pooling)
+        for layer in range(att.shape[0]):  # per layer: small temporaries, reused heap
+            att[layer, :, :prefix] = pool(att[layer, :, :prefix], self.kernel, self.pooling)
         att[..., prefix:] = 0
         return att
 

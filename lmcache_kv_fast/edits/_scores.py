@@ -21,6 +21,26 @@ __all__ = ["AGGREGATES", "aggregate", "key_scores", "pool", "redundancy", "windo
 
 #: How per-(layer, head) scores become one score per token.
 AGGREGATES = ("mean", "max")
+#: Smallest denominator of a cosine similarity (``F.cosine_similarity``'s default).
+_EPS = 1e-8
+#: Key rows per block of :func:`redundancy`'s similarity strips.
+_RED_BLOCK = 128
+
+
+def _f32(x: torch.Tensor, buf: torch.Tensor | None = None) -> torch.Tensor:
+    """A contiguous float32 copy of ``x``, into ``buf`` (a previous layer's copy) if given.
+
+    A new buffer is the float32 product ``1 * 1`` broadcast to ``x``'s shape, then filled
+    by a converting copy: under ``batch.rewrite``'s pooled outputs that product is
+    computed straight into a warm pooled buffer. ``x.to(torch.float32)`` (its ``out=``
+    form computes into a fresh tensor first), ``torch.empty`` (not pooled) and a
+    mixed-dtype ``x * 1`` (the input promoted into a fresh temporary) would each fault
+    fresh pages per call.
+    """
+    if buf is None:
+        one = torch.ones(1, dtype=torch.float32)
+        buf = torch.mul(one.expand(x.shape), one)
+    return buf.copy_(x)
 
 
 def aggregate(scores: torch.Tensor, how: str, layers: Sequence[int] | None = None
@@ -47,20 +67,28 @@ def key_scores(k: torch.Tensor, head_dim: int, method: str) -> torch.Tensor:
     ``"keydiff"`` (Park et al. 2025, KeyDiff): minus the cosine similarity of each key to
     its head's mean key — distinctive keys score high. ``"l2"`` (Devoto et al. 2024): minus
     the key's L2 norm over the head's mean norm — low-norm keys score high, every head on
-    the same scale.
+    the same scale. One float32 copy of a layer's keys, then reductions over head dims.
     """
-    out = []
-    for layer in range(k.shape[0]):
-        kh = heads(k[layer], head_dim, "kv").float().transpose(0, 1)  # [H, T, Dh]
+    if method not in ("keydiff", "l2"):
+        raise InvalidArgumentError(f"score: expected 'keydiff' or 'l2', got {method!r}")
+    layers, count = k.shape[0], k.shape[1]
+    n_heads = heads(k[:1, :1], head_dim, "kv").shape[-2]
+    # per-layer results go into [L, H, T] buffers: no small temporaries per layer
+    norm = torch.empty(layers, n_heads, count)
+    ref = torch.empty(layers, n_heads, 1)  # keydiff: dot with the mean key; l2: mean norm
+    dot = torch.empty(layers, n_heads, count) if method == "keydiff" else norm
+    kh: torch.Tensor | None = None  # one float32 buffer, reused per layer
+    for layer in range(layers):
+        kh = _f32(heads(k[layer], head_dim, "kv").transpose(0, 1), kh)  # [H, T, Dh]
+        torch.linalg.vector_norm(kh, dim=-1, out=norm[layer])
         if method == "keydiff":
-            anchor = kh.mean(dim=1, keepdim=True)
-            out.append(-F.cosine_similarity(kh, anchor, dim=-1))
-        elif method == "l2":
-            norm = kh.norm(dim=-1)
-            out.append(-(norm / norm.mean(dim=-1, keepdim=True).clamp_min(1e-12)))
-        else:
-            raise InvalidArgumentError(f"score: expected 'keydiff' or 'l2', got {method!r}")
-    return torch.stack(out)
+            anchor = kh.mean(dim=1, keepdim=True)  # [H, 1, Dh]
+            torch.bmm(kh, anchor.transpose(1, 2), out=dot[layer].unsqueeze(-1))
+            torch.linalg.vector_norm(anchor, dim=-1, out=ref[layer])
+    if method == "keydiff":
+        return dot.div_(norm.mul_(ref).clamp_min_(_EPS)).neg_()
+    torch.mean(norm, dim=-1, keepdim=True, out=ref)
+    return norm.div_(ref.clamp_min_(1e-12)).neg_()
 
 
 def pool(x: torch.Tensor, kernel: int, how: str) -> torch.Tensor:
@@ -105,24 +133,34 @@ def window_attention(q: torch.Tensor, k: torch.Tensor, head_dim: int, window: in
         raise InvalidArgumentError(f"queries: {tq} query positions but the KV holds {count} "
                                    f"tokens (queries_at='end' needs Tq <= T)")
     scale = head_dim ** -0.5 if scale is None else scale
-    qpos = torch.arange(count - window, count)[:, None]
-    mask = torch.arange(count)[None, :] > qpos  # [W, T]: future keys of each query
-    out = []
+    # causal mask of the window's queries: only their own window's later keys are hidden
+    qpos = torch.arange(window)[:, None]
+    mask = torch.arange(window)[None, :] > qpos  # [W, W]
+    n_q, n_kv = _query_heads(q, k, head_dim)
+    g = n_q // n_kv
+    out = torch.empty(k.shape[0], n_q, count)
+    kh: torch.Tensor | None = None  # one float32 buffer, reused per layer
     for layer in range(k.shape[0]):
-        qh = heads(q[layer, tq - window:], head_dim, "queries").float()  # [W, Hq, Dh]
-        kh = heads(k[layer], head_dim, "kv").float()  # [T, Hkv, Dh]
-        n_q, n_kv = qh.shape[1], kh.shape[1]
-        if n_q % n_kv:
-            raise InvalidArgumentError(f"queries: {n_q} query heads is not a multiple of the "
-                                       f"KV's {n_kv} heads (GQA needs Hq = g * Hkv)")
-        g = n_q // n_kv
+        qh = heads(q[layer, tq - window:], head_dim, "queries").to(torch.float32)
         qg = qh.reshape(window, n_kv, g, head_dim).permute(1, 2, 0, 3).reshape(
             n_kv, g * window, head_dim)
-        logits = torch.bmm(qg, kh.permute(1, 2, 0)).mul_(scale).view(n_kv, g, window, count)
+        kh = _f32(heads(k[layer], head_dim, "kv").transpose(0, 1), kh)  # [Hkv, T, Dh]
+        # B as K^T: BLAS reads the transposed operand in place (no copy)
+        logits = torch.bmm(qg, kh.transpose(1, 2)).mul_(scale).view(n_kv, g, window, count)
         if at_end:
-            logits.masked_fill_(mask, float("-inf"))
-        out.append(logits.softmax(dim=-1).sum(dim=2).reshape(n_q, count))
-    return torch.stack(out)
+            logits[..., count - window:].masked_fill_(mask, float("-inf"))
+        torch.sum(logits.softmax(dim=-1), dim=2, out=out[layer].view(n_kv, g, count))
+    return out
+
+
+def _query_heads(q: torch.Tensor, k: torch.Tensor, head_dim: int) -> tuple[int, int]:
+    """(query heads, KV heads), checked for GQA (``Hq`` a multiple of ``Hkv``)."""
+    n_q = heads(q[:1, :1], head_dim, "queries").shape[-2]
+    n_kv = heads(k[:1, :1], head_dim, "kv").shape[-2]
+    if n_q % n_kv:
+        raise InvalidArgumentError(f"queries: {n_q} query heads is not a multiple of the "
+                                   f"KV's {n_kv} heads (GQA needs Hq = g * Hkv)")
+    return n_q, n_kv
 
 
 def redundancy(k: torch.Tensor, head_dim: int, threshold: float) -> torch.Tensor:
@@ -130,13 +168,26 @@ def redundancy(k: torch.Tensor, head_dim: int, threshold: float) -> torch.Tensor
 
     Mean cosine similarity of a key to the other keys of its head, counting only pairs
     above ``threshold`` (near-duplicates), then a softmax over tokens as in R-KV's
-    reference code, so it sums to 1 like the importance it is weighed against.
+    reference code, so it sums to 1 like the importance it is weighed against. The
+    similarity is symmetric: it is computed in strips of :data:`_RED_BLOCK` rows against
+    the keys from the strip on (half the products of the full ``[T, T]`` matrix), each
+    strip adding its row sums to its own keys and its column sums to the later ones; no
+    ``[H, T, T]`` matrix is ever held.
     """
-    out = []
-    for layer in range(k.shape[0]):
-        kh = F.normalize(heads(k[layer], head_dim, "kv").float().transpose(0, 1), dim=-1)
-        sim = torch.bmm(kh, kh.transpose(1, 2))  # [H, T, T]
-        sim.diagonal(dim1=-2, dim2=-1).zero_()
-        sim = F.threshold(sim, threshold, 0.0, inplace=True)
-        out.append(sim.mean(dim=-1).softmax(dim=-1))
-    return torch.stack(out)
+    layers, count = k.shape[0], k.shape[1]
+    out = torch.empty(layers, k.shape[-1] // head_dim if head_dim > 0 else 0, count)
+    raw: torch.Tensor | None = None  # one float32 buffer, reused per layer
+    for layer in range(layers):
+        raw = _f32(heads(k[layer], head_dim, "kv").transpose(0, 1), raw)
+        kh = F.normalize(raw, dim=-1)  # [H, T, Dh]
+        acc = torch.zeros(kh.shape[0], count)
+        for a0 in range(0, count, _RED_BLOCK):
+            a1 = min(count, a0 + _RED_BLOCK)
+            sim = torch.bmm(kh[:, a0:a1], kh[:, a0:].transpose(1, 2))  # [H, B, T - a0]
+            sim[:, :, :a1 - a0].diagonal(dim1=-2, dim2=-1).zero_()
+            F.threshold(sim, threshold, 0.0, inplace=True)
+            acc[:, a0:a1] += sim.sum(dim=-1)
+            if a1 < count:
+                acc[:, a1:] += sim[:, :, a1 - a0:].sum(dim=-2)
+        torch.softmax(acc.div_(count), dim=-1, out=out[layer])
+    return out

@@ -348,3 +348,59 @@ def test_bench_against_057_and_its_own_sdk(tmp_path: Path, transport: str) -> No
         for path in ("upstream", "kvfast-native-2t"):  # 0.5.7rc2's own SDK ran too
             assert _positive(records[(path, op)]["samples"]), (path, op)
     assert _positive(records[("kvfast-native-2t", "W3P batch (plain fn)")]["samples"])
+
+
+def test_w7_plain_edit_selects_what_the_library_edit_selects() -> None:
+    """W7's plain-torch SnapKV + re-rotation (upstream's loop) is the library edit's twin."""
+    import torch
+
+    from benches.harness import edits as bedits
+    from lmcache_kv_fast import edits
+
+    gen = torch.Generator().manual_seed(7)
+    kv = torch.randn(2, 3, 300, 2 * 64, generator=gen).to(torch.bfloat16)
+    q = torch.randn(3, 40, 8 * 64, generator=gen).to(torch.bfloat16)
+    toks = list(range(1000, 1300))
+    r = bedits.LLAMA32_1B_ROPE
+    rope = edits.rope_from_config({"model_type": "llama", "head_dim": 64,
+                                   "rope_theta": r["rope_theta"],
+                                   "rope_scaling": {"rope_type": "llama3", "factor": r["factor"],
+                                                    "low_freq_factor": r["low_freq_factor"],
+                                                    "high_freq_factor": r["high_freq_factor"],
+                                                    "original_max_position_embeddings":
+                                                        r["original_max_position_embeddings"]}})
+    torch.testing.assert_close(bedits.llama3_inv_freq(r), rope.inv_freq())
+    want_kv, want_toks = edits.snapkv(q, 32, 7, ratio=0.5, rope=rope)(kv, toks)
+    got_kv, got_toks = bedits.snapkv_rerotate_plain(kv, toks, q, bedits.llama3_inv_freq(r))
+    assert got_toks == want_toks and len(got_toks) == 150
+    torch.testing.assert_close(got_kv.float(), want_kv.float(), rtol=0.02, atol=0.02)
+    assert torch.equal(got_kv[1], want_kv[1])
+
+
+@pytest.mark.timeout(360)
+def test_bench_w7_quick_json(tmp_path: Path) -> None:
+    """``bench --quick --workloads W7``: every W7 row has positive samples; both targets ran."""
+    out = tmp_path / "w7.json"
+    p = subprocess.run(
+        [sys.executable, "-m", "lmcache_kv_fast", "bench", "--quick", "--no-progress",
+         "--workloads", "W7", "--no-torch-backend", "--json", str(out)],
+        capture_output=True, text=True, timeout=300, env=_bench_env(), cwd=tmp_path,
+        stdin=subprocess.DEVNULL,
+    )
+    assert p.returncode == 0, f"stdout:\n{p.stdout[-4000:]}\nstderr:\n{p.stderr[-4000:]}"
+    doc = json.loads(out.read_text())
+    assert not doc["errors"]
+    n = doc["default_threads"]
+    records = {(r["path"], r["op"]): r for r in doc["records"]}
+    for path, op in [("upstream", "W7 loop (plain-torch SnapKV+rope)"),
+                     (f"kvfast-native-{n}t", "W7 batch (edits.snapkv+rope)"),
+                     (f"kvfast-native-{n}t", "W7 retrieve (1 sequence)"),
+                     (f"kvfast-native-{n}t", "W7 edit (1 sequence)")]:
+        assert _positive(records[(path, op)]["samples"]), (path, op)
+        assert op in p.stdout
+    assert len(records[(f"kvfast-native-{n}t", "W7 edit (1 sequence)")]["samples"]) == 3
+    targets = {t["name"]: t for t in doc["targets"]}
+    for name in ("W7 SnapKV+rope: batch.rewrite vs upstream loop",
+                 "W7 SnapKV+rope: edit / retrieve of one sequence"):
+        assert targets[name]["value"] > 0, targets[name]
+        assert name in p.stdout

@@ -339,3 +339,110 @@ def test_same_result_under_pooled_outputs() -> None:
         with PooledOutputs(backend().alloc_result):
             got = edit(kv, tok)
         assert got[1] == want[1] and torch.equal(got[0], want[0]), edit
+
+
+# ------------------------------------------------------------------ the fast forms
+def _reference_redundancy(k: torch.Tensor, head_dim: int, threshold: float) -> torch.Tensor:
+    """R-KV's redundancy as first written: the full ``[H, T, T]`` matrix per layer."""
+    out = []
+    for layer in range(k.shape[0]):
+        kh = torch.nn.functional.normalize(
+            k[layer].unflatten(-1, (-1, head_dim)).float().transpose(0, 1), dim=-1)
+        sim = torch.bmm(kh, kh.transpose(1, 2))
+        sim.diagonal(dim1=-2, dim2=-1).zero_()
+        sim = torch.nn.functional.threshold(sim, threshold, 0.0, inplace=True)
+        out.append(sim.mean(dim=-1).softmax(dim=-1))
+    return torch.stack(out)
+
+
+def _reference_rkv(kv: torch.Tensor, q: torch.Tensor, *, window: int, kernel: int, n: int,
+                   lam: float, threshold: float, head_dim: int) -> list[int]:
+    """R-KV's selection as first written: per-head attention and the full similarity."""
+    layers, count = kv.shape[1], kv.shape[2]
+    k = kv[0]
+    scores = []
+    for layer in range(layers):
+        qh = q[layer, -window:].unflatten(-1, (-1, head_dim)).float()  # [W, Hq, Dh]
+        kh = k[layer].unflatten(-1, (-1, head_dim)).float()  # [T, Hkv, Dh]
+        g = qh.shape[1] // kh.shape[1]
+        logits = torch.einsum("whd,thd->hwt", qh, kh.repeat_interleave(g, dim=1))
+        logits = logits * head_dim ** -0.5
+        mask = torch.arange(count)[None, :] > torch.arange(count - window, count)[:, None]
+        att = logits.masked_fill(mask, float("-inf")).softmax(-1).sum(1)  # [Hq, T]
+        imp = att.view(kh.shape[1], g, count).mean(1) / window
+        prefix = count - window
+        pooled = torch.nn.functional.max_pool1d(imp[:, None, :prefix], kernel, 1, kernel // 2)
+        imp = torch.cat([pooled[:, 0], torch.zeros(imp.shape[0], window)], dim=1)
+        scores.append(imp)
+    imp = torch.stack(scores)
+    score = lam * imp - (1 - lam) * _reference_redundancy(k, head_dim, threshold)
+    total = score.reshape(-1, count).mean(0)
+    total[count - window:] = float("inf")
+    order = torch.sort(total, descending=True, stable=True).indices
+    return order[:n].sort().values.tolist()
+
+
+@pytest.mark.parametrize("count,threshold,dtype", [
+    (257, 0.5, torch.bfloat16), (600, 0.1, torch.float32), (1000, -0.2, torch.bfloat16),
+    (129, 0.9, torch.float16)])
+def test_rkv_selects_what_the_full_matrix_selects(count: int, threshold: float,
+                                                  dtype: torch.dtype) -> None:
+    """The strip-wise symmetric redundancy keeps exactly the first (full-matrix) selection.
+
+    Random keys drawn around a few centres (so many pairs pass the threshold), GQA
+    queries; the redundancy itself agrees to float32 rounding.
+    """
+    gen = torch.Generator().manual_seed(count)
+    centres = torch.randn(3, 12, 4 * DH, generator=gen)
+    pick = torch.randint(0, 12, (count,), generator=gen)
+    k = centres[:, pick] + 0.6 * torch.randn(3, count, 4 * DH, generator=gen)
+    kv = torch.stack([k, torch.randn(3, count, 4 * DH, generator=gen)]).to(dtype)
+    q = torch.randn(3, 16, 8 * DH, generator=gen).to(dtype)
+    from lmcache_kv_fast.edits._scores import redundancy
+
+    want = _reference_redundancy(kv[0], DH, threshold)
+    torch.testing.assert_close(redundancy(kv[0], DH, threshold), want, rtol=1e-5, atol=1e-9)
+    n = count // 2
+    for window in (8, 16):
+        edit = edits.rkv(q, window, 7, budget=n, lam=0.1, threshold=threshold, head_dim=DH)
+        got = _kept(edit, kv, _tokens(count))
+        assert got == _reference_rkv(kv, q, window=window, kernel=7, n=n, lam=0.1,
+                                     threshold=threshold, head_dim=DH)
+
+
+def test_key_scores_match_torch_cosine_and_norm() -> None:
+    """KeyDiff's score is minus torch's cosine similarity to the mean key; L2 the norm ratio."""
+    from lmcache_kv_fast.edits._scores import key_scores
+
+    k = _kv(layers=3, count=300, heads=4, dtype=torch.bfloat16)[0]
+    kh = k.unflatten(-1, (4, DH)).float().transpose(1, 2)  # [L, H, T, Dh]
+    cos = torch.nn.functional.cosine_similarity(kh, kh.mean(2, keepdim=True), dim=-1)
+    torch.testing.assert_close(key_scores(k, DH, "keydiff"), -cos, rtol=1e-5, atol=1e-6)
+    norm = kh.norm(dim=-1)
+    torch.testing.assert_close(key_scores(k, DH, "l2"), -norm / norm.mean(-1, keepdim=True))
+
+
+@pytest.mark.parametrize("interleaved", [False, True])
+def test_rerotate_equals_the_complex_product(interleaved: bool) -> None:
+    """The chunked real-arithmetic rotation equals one complex64 product per pair."""
+    rope = edits.rope_from_config({"model_type": "llama", "hidden_size": 32, "head_dim": DH,
+                                   "num_attention_heads": 4, "rope_theta": 1e4,
+                                   "partial_rotary_factor": 0.75}, interleaved=interleaved)
+    kv = _kv(layers=3, count=700, heads=4)
+    old = torch.arange(700) * 3 // 2
+    got = edits.rerotate(kv, old, rope)
+    half, rot = rope.rotary_dim // 2, rope.rotary_dim
+    angle = (torch.arange(700) - old).double()[:, None] * rope.inv_freq().double()[None, :]
+    x = kv[0].unflatten(-1, (4, DH))[..., :rot]
+    pairs = x.unflatten(-1, (half, 2)) if interleaved else x.unflatten(-1, (2, half)).transpose(-1, -2)
+    z = torch.view_as_complex(pairs.contiguous()) * torch.polar(
+        torch.ones_like(angle), angle).to(torch.complex64)[:, None, :]
+    want = kv.clone()
+    want_pairs = want[0].unflatten(-1, (4, DH))[..., :rot]
+    want_pairs = want_pairs.unflatten(-1, (half, 2)) if interleaved else \
+        want_pairs.unflatten(-1, (2, half)).transpose(-1, -2)
+    want_pairs.copy_(torch.view_as_real(z))
+    torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6)
+    assert torch.equal(got[1], kv[1])
+    assert torch.equal(got[0].unflatten(-1, (4, DH))[..., rot:],
+                       kv[0].unflatten(-1, (4, DH))[..., rot:])
