@@ -6,9 +6,9 @@ run:
 	./scripts/run.sh
 test:
 	./scripts/test.sh
-# The unit tier: no server, no engine (under 2 minutes on 2 cores); docs/testing.md
+# The unit tier: no server, no engine, no transformers oracle (~1 min on 2 cores); docs/testing.md
 test-fast:
-	.venv/bin/python -m pytest -q -p no:cacheprovider tests/unit
+	.venv/bin/python -m pytest -q -p no:cacheprovider -m "not oracle" tests/unit
 bench: setup
 	.venv/bin/lmcache-kv-fast bench
 lint: setup

@@ -58,8 +58,29 @@ def pytest_configure(config: pytest.Config) -> None:
     signal.signal(signal.SIGTERM, _terminate)
 
 
+#: Fixtures that run transformers in the engine venv (a child per module); their tests get the
+#: ``oracle`` marker, which ``make test-fast`` skips.
+ORACLE_FIXTURES = {"oracle", "oracle_model", "model_run"}
+
+
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     mark_engine_items(items)
+    for item in items:
+        if ORACLE_FIXTURES & set(getattr(item, "fixturenames", ())):
+            item.add_marker(pytest.mark.oracle)
+
+
+@pytest.fixture(scope="session")
+def oracle_model() -> Path:
+    """The tiny random-weight Llama for the unit tier's transformers oracle, else a skip."""
+    from testbed.engine_proc import EngineChildError, engine_python
+    from testbed.tiny_model import ensure_tiny_model
+
+    try:
+        engine_python()
+        return ensure_tiny_model()
+    except EngineChildError as exc:
+        pytest.skip(f"tiny model unavailable: {exc}")
 
 
 @pytest.hookimpl(hookwrapper=True)

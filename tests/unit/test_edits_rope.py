@@ -321,7 +321,7 @@ def _model_with_rope(src: Path, dst: Path, rope_parameters: dict | None) -> Path
 
 
 @pytest.mark.parametrize("variant", list(MODEL_ROPES))
-def test_layer0_of_the_shortened_prompt(tiny_model: Path, tmp_path: Path, variant: str) -> None:
+def test_layer0_of_the_shortened_prompt(oracle_model: Path, tmp_path: Path, variant: str) -> None:
     """drop_every + rope on a real model's KV == that model's KV of the shortened prompt.
 
     Layer 0's K and V depend only on the token and its position, so after dropping and
@@ -330,7 +330,7 @@ def test_layer0_of_the_shortened_prompt(tiny_model: Path, tmp_path: Path, varian
     """
     from testbed.oracle import TransformersOracle
 
-    model = _model_with_rope(tiny_model, tmp_path / variant, MODEL_ROPES[variant])
+    model = _model_with_rope(oracle_model, tmp_path / variant, MODEL_ROPES[variant])
     rope = edits.rope_from_config(model)
     assert rope.rope_type == variant
     tokens = torch.randint(0, 1024, (300,), generator=torch.Generator().manual_seed(11)).tolist()

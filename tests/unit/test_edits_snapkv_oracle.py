@@ -28,17 +28,17 @@ KEPT = 120  # ratio 0.4 of 300
 
 
 @pytest.fixture(scope="module")
-def model_run(tiny_model: Path) -> dict:
+def model_run(oracle_model: Path) -> dict:
     """KV, window queries and attention, and all T queries, of one random prompt."""
     from testbed.oracle import TransformersOracle
 
     tokens = torch.randint(0, 1024, (T,), generator=torch.Generator().manual_seed(21)).tolist()
-    with TransformersOracle(tiny_model) as oracle:
+    with TransformersOracle(oracle_model) as oracle:
         kv = oracle.kv(tokens)
         q, att = oracle.window_attention(tokens, W)
         q_all, att_all = oracle.window_attention(tokens, T)
     return {"tokens": tokens, "kv": kv, "q": q, "att": att, "q_all": q_all,
-            "att_all": att_all, "rope": edits.rope_from_config(tiny_model)}
+            "att_all": att_all, "rope": edits.rope_from_config(oracle_model)}
 
 
 def flat(q: torch.Tensor) -> torch.Tensor:
