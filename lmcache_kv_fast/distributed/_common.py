@@ -2,10 +2,17 @@
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass, field
 from typing import Any
 
 from lmcache_kv_fast.distributed.servers import Server
+from lmcache_kv_fast.protocol.detect import detect_generation
+from lmcache_kv_fast.protocol.ops import Op
+from lmcache_kv_fast.transport import open_control
+from lmcache_kv_fast.transport.http import HttpInfoClient
+
+logger = logging.getLogger("lmcache_kv_fast.distributed")
 
 #: Seconds between two probes of an actor Ray is restarting.
 PROBE_RETRY_S = 0.2
@@ -50,4 +57,27 @@ def server_answers(server: Server, timeout: float = 3.0) -> bool:
         HttpInfoClient(server.http_url.rstrip("/"), timeout).status()
         return True
     except Exception:
+        return False
+
+
+def unregister_reader(server: Server, instance_id: int, api_key: Any = None,
+                      timeout: float = 5.0) -> bool:
+    """Unregister a lost actor's reader registration from the driver (best effort).
+
+    An actor that died before closing leaves its context registered until the server reaps
+    it. The reader only reads, so unregistering it frees its locks at once; the writer is
+    left to the server's reaper, which never admits a reservation whose TTL is still running
+    (docs/protocol.md §3.2). Returns whether the server acknowledged.
+    """
+    try:
+        http = HttpInfoClient(server.http_url, timeout, api_key)
+        gen, _ = detect_generation(http.version(), http.config()["mp"])
+        client = open_control(server.url, gen, timeout)
+        try:
+            client.call(Op.UNREGISTER_ENGINE_DRIVEN, [int(instance_id)], None, timeout)
+        finally:
+            client.close()
+        return True
+    except Exception as err:  # the server may be gone too: its registrations went with it
+        logger.debug("unregistering instance %s on %s: %s", instance_id, server.name, err)
         return False

@@ -20,7 +20,13 @@ from typing import Any
 import torch
 
 from lmcache_kv_fast.batch import DEFAULT_MAX_IN_FLIGHT
-from lmcache_kv_fast.distributed._common import PROBE_RETRY_S, Member, first_line, server_answers
+from lmcache_kv_fast.distributed._common import (
+    PROBE_RETRY_S,
+    Member,
+    first_line,
+    server_answers,
+    unregister_reader,
+)
 from lmcache_kv_fast.distributed._raycompat import require_ray
 from lmcache_kv_fast.distributed.actor import ServerWorker
 from lmcache_kv_fast.distributed.report import FleetReport
@@ -296,13 +302,19 @@ class Fleet:
                     refs[slot.handle.close.remote()] = slot
                 except Exception:
                     pass
+        closed = set()
         if refs:
             done, _ = ray.wait(list(refs), num_returns=len(refs), timeout=timeout)
             for ref in done:
                 try:
                     ray.get(ref)
+                    closed.add(refs[ref].index)
                 except Exception as err:
                     logger.debug("closing the actor of %s: %s", refs[ref].server.name, err)
+        for slot in refs.values():  # an actor that died first: its reader from here
+            iid = slot.info.get("instance_id")
+            if slot.index not in closed and iid is not None:
+                unregister_reader(slot.server, iid, self.connect_kwargs.get("api_key"))
         for slot in self.slots:
             if slot.handle is not None:
                 try:

@@ -193,6 +193,21 @@ def test_route_function_longest_prefix_and_store_retrieve(env: FleetEnv):
 
 
 # ---------------------------------------------------------------------- faults
+def test_an_actor_dead_before_close_leaves_no_reader_registered(env: FleetEnv):
+    """close() unregisters the reader of an actor that died without closing its context."""
+    models = env.models("deadclose")
+    specs = env.specs()
+    fleet = Fleet(specs, models[0].name, connect_kwargs=CONNECT)
+    try:
+        iids = [s.info["instance_id"] for s in fleet.slots]
+        assert all(str(i) in _registered(env.servers[k]) for k, i in enumerate(iids))
+        ray.kill(fleet.slots[1].handle, no_restart=True)  # dies holding its registration
+        time.sleep(0.5)
+    finally:
+        fleet.close(timeout=10.0)
+    assert not any(str(i) in _registered(env.servers[k]) for k, i in enumerate(iids))
+
+
 def test_killing_an_actor_mid_batch_loses_nothing(env: FleetEnv):
     models = env.models("kill")
     owned, kvs = _seed(models, per_server=4, chunks=2, base=4000)
