@@ -311,10 +311,7 @@ class Fleet:
                     closed.add(refs[ref].index)
                 except Exception as err:
                     logger.debug("closing the actor of %s: %s", refs[ref].server.name, err)
-        for slot in refs.values():  # an actor that died first: its reader from here
-            iid = slot.info.get("instance_id")
-            if slot.index not in closed and iid is not None:
-                unregister_reader(slot.server, iid, self.connect_kwargs.get("api_key"))
+        self._unregister_dead_readers(closed)
         for slot in self.slots:
             if slot.handle is not None:
                 try:
@@ -322,6 +319,20 @@ class Fleet:
                 except Exception:
                     pass
                 slot.handle = None
+
+    def _unregister_dead_readers(self, closed: set[int]) -> None:
+        """Unregister, from here, the readers of actors that died without closing their context.
+
+        A lost actor (replaced, or dead before ``close``) leaves its registration until the
+        server reaps it; its writer is left to that reaper (docs/distributed.md).
+        """
+        for slot in self.slots:
+            stale = set(slot.lost_instances)
+            iid = slot.info.get("instance_id")
+            if iid is not None:
+                (stale.discard if slot.index in closed else stale.add)(iid)
+            for dead in sorted(stale):
+                unregister_reader(slot.server, dead, self.connect_kwargs.get("api_key"), timeout=2.0)
 
     def __enter__(self) -> Fleet:
         return self

@@ -215,6 +215,7 @@ def test_killing_an_actor_mid_batch_loses_nothing(env: FleetEnv):
     killed: list[int] = []
     with Fleet(env.specs(), models[0].name, max_in_flight=2, connect_kwargs=CONNECT) as fleet:
         pid = fleet.slots[1].info["pid"]
+        first_iid = fleet.slots[1].info["instance_id"]
 
         def on_result(index: int, server: str | None, status: str) -> None:
             if server == "srv1" and not killed:
@@ -223,6 +224,9 @@ def test_killing_an_actor_mid_batch_loses_nothing(env: FleetEnv):
 
         rep = fleet.rewrite(seqs, SlowDrop(0.3), on_result=on_result, progress=False)
         assert fleet.slots[1].info["pid"] != pid  # Ray restarted it
+        iids = [first_iid, *(s.info["instance_id"] for s in fleet.slots)]
+    # the killed actor's context and the live ones: none is left registered after close
+    assert not any(str(i) in _registered(env.servers[k]) for k, i in zip([1, 0, 1, 2], iids))
     assert killed and rep.actors_lost == 1 and rep.retried >= 1, rep.summary()
     assert (rep.items, rep.ok, rep.failed, rep.missed) == (12, 12, 0, 0), rep.summary()
     assert rep.per_server["srv1"].ok == 4
