@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import logging
 import signal
+import sys
 import threading
 from typing import Any
 
@@ -21,10 +22,10 @@ logger = logging.getLogger("lmcache_kv_fast.events")
 
 
 def _print_batch(seq: int, batch: VllmKVEventBatch) -> None:
-    """Show a batch like vLLM's ``kv_events_subscriber.py`` example."""
-    print(f"Received event batch at {batch.ts} (seq {seq}):", flush=True)
-    for ev in batch.events:
-        print(f"  - {ev}", flush=True)
+    """Write a batch to stdout (the command's ``--print`` output) like vLLM's subscriber example."""
+    lines = [f"Received event batch at {batch.ts} (seq {seq}):", *(f"  - {ev}" for ev in batch.events)]
+    sys.stdout.write("\n".join(lines) + "\n")
+    sys.stdout.flush()
 
 
 def _parser() -> argparse.ArgumentParser:
