@@ -39,4 +39,18 @@ uint64_t to_u64_nonneg(py::handle obj, const char* what) {
   return static_cast<uint64_t>(v);
 }
 
+const char* checked_span(uint64_t base, uint64_t nbytes, uint64_t offset, uint64_t span,
+                         const char* what, const char* name) {
+  if (span == 0) return nullptr;
+  if (base == 0) throw py::value_error(std::string(what) + ": " + name + " is a null address");
+  const uint64_t end = checked_add(offset, span, what);
+  if (end > nbytes) {
+    throw py::value_error(std::string(what) + ": " + name + " needs bytes [" +
+                          std::to_string(offset) + ", " + std::to_string(end) +
+                          ") of its buffer, which holds " + std::to_string(nbytes));
+  }
+  checked_add(base, end, what);
+  return reinterpret_cast<const char*>(base + offset);
+}
+
 }  // namespace lmckv

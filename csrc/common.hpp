@@ -54,6 +54,12 @@ std::vector<int64_t> to_i64_vector(py::handle seq, const char* what);
 // A non-negative integer argument, or ValueError.
 uint64_t to_u64_nonneg(py::handle obj, const char* what);
 
+// [base + offset, base + offset + span) must lie in [base, base + nbytes) (ValueError
+// "<what>: <name> needs bytes ..." otherwise); returns the first byte (nullptr when span
+// is 0).
+const char* checked_span(uint64_t base, uint64_t nbytes, uint64_t offset, uint64_t span,
+                         const char* what, const char* name);
+
 // Holds a T that is constructed on first use and never destroyed: module-level state
 // may be touched by Python objects finalised after C++ static destructors ran
 // (interpreter shutdown), so process-wide singletons are immortal on purpose.

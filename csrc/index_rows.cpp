@@ -18,22 +18,6 @@ constexpr const char* kWhat = "index_rows";
 // Most flat copies a plan holds (outer index x run) before it switches to 2-D copies.
 constexpr uint64_t kMaxFlatOps = 1u << 16;
 
-// [base + offset, base + offset + span) must lie in [base, base + nbytes); returns the
-// first byte (nullptr when span is 0).
-const char* checked_span(uint64_t base, uint64_t nbytes, uint64_t offset, uint64_t span,
-                         const char* name) {
-  if (span == 0) return nullptr;
-  if (base == 0) throw py::value_error(std::string(kWhat) + ": " + name + " is a null address");
-  const uint64_t end = checked_add(offset, span, kWhat);
-  if (end > nbytes) {
-    throw py::value_error(std::string(kWhat) + ": " + name + " needs bytes [" +
-                          std::to_string(offset) + ", " + std::to_string(end) +
-                          ") of its buffer, which holds " + std::to_string(nbytes));
-  }
-  checked_add(base, end, kWhat);
-  return reinterpret_cast<const char*>(base + offset);
-}
-
 int64_t index_at(const char* idx, uint64_t itemsize, uint64_t i) {
   if (itemsize == 8) {
     int64_t v;
@@ -55,10 +39,10 @@ CopyPlan plan_index_rows(const IndexRowsArgs& a) {
   const uint64_t src_span = checked_mul(checked_mul(a.outer, a.rows, kWhat), a.row_bytes, kWhat);
   const uint64_t dst_span = checked_mul(checked_mul(a.outer, a.n_idx, kWhat), a.row_bytes, kWhat);
   const char* idx = checked_span(a.idx, a.idx_nbytes, a.idx_offset,
-                                 checked_mul(a.n_idx, a.idx_itemsize, kWhat), "index");
-  const char* src = checked_span(a.src, a.src_nbytes, a.src_offset, src_span, "source");
+                                 checked_mul(a.n_idx, a.idx_itemsize, kWhat), kWhat, "index");
+  const char* src = checked_span(a.src, a.src_nbytes, a.src_offset, src_span, kWhat, "source");
   char* dst = const_cast<char*>(checked_span(a.dst, a.dst_nbytes, a.dst_offset, dst_span,
-                                             "destination"));
+                                             kWhat, "destination"));
   CopyPlan plan;
   const uint64_t s0 = reinterpret_cast<uint64_t>(src), d0 = reinterpret_cast<uint64_t>(dst);
   if (src_span != 0 && dst_span != 0 && s0 < d0 + dst_span && d0 < s0 + src_span) {

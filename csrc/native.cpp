@@ -25,6 +25,9 @@
 #include "result_buffer.hpp"
 #include "shm_mapping.hpp"
 #include "index_rows.hpp"
+#include "rope_gather.hpp"
+#include "score_pool.hpp"
+#include "window_scores.hpp"
 #include "strided_copy.hpp"
 #include "thread_pool.hpp"
 #include "uffd_fill.hpp"
@@ -61,6 +64,98 @@ class PinSet {
 };
 
 uint64_t field(py::handle obj, const char* what) { return to_u64_nonneg(obj, what); }
+
+// A buffer span handed over as (base, nbytes, offset).
+Span span_arg(py::handle obj, const char* what) {
+  if (!py::isinstance<py::tuple>(obj) || py::len(obj) != 3) {
+    throw py::type_error(std::string(what) + ": expected a (base, nbytes, offset) tuple");
+  }
+  auto t = py::reinterpret_borrow<py::tuple>(obj);
+  return Span{field(t[0], what), field(t[1], what), field(t[2], what)};
+}
+
+EditDType edit_dtype(const std::string& name) {
+  if (name == "float32") return EditDType::kF32;
+  if (name == "bfloat16") return EditDType::kBF16;
+  throw py::value_error("dtype must be 'float32' or 'bfloat16', got '" + name + "'");
+}
+
+void bind_edit_kernels(py::module_& m) {
+  m.def(
+      "rope_gather",
+      [](py::handle dst, py::handle src, py::handle idx, py::handle cos, py::handle sin,
+         py::handle planes, py::handle layers, py::handle rows, py::handle n, py::handle width,
+         py::handle head_dim, py::handle rotary_dim, bool interleaved, const std::string& dtype) {
+        RopeGatherArgs a;
+        a.dst = span_arg(dst, "dst");
+        a.src = span_arg(src, "src");
+        a.idx = span_arg(idx, "idx");
+        a.cos = span_arg(cos, "cos");
+        a.sin = span_arg(sin, "sin");
+        a.planes = field(planes, "planes");
+        a.layers = field(layers, "layers");
+        a.rows = field(rows, "rows");
+        a.n = field(n, "n");
+        a.width = field(width, "width");
+        a.head_dim = field(head_dim, "head_dim");
+        a.rotary_dim = field(rotary_dim, "rotary_dim");
+        a.interleaved = interleaved;
+        a.dtype = edit_dtype(dtype);
+        const RopeGatherPlan plan(a);
+        py::gil_scoped_release nogil;
+        plan.execute();
+      },
+      "dst"_a, "src"_a, "idx"_a, "cos"_a, "sin"_a, "planes"_a, "layers"_a, "rows"_a, "n"_a,
+      "width"_a, "head_dim"_a, "rotary_dim"_a, "interleaved"_a, "dtype"_a,
+      "dst[p][l][j] = src[p][l][idx[j]] with plane 0's rotary pairs turned by cos/sin[j] "
+      "(spans are (base, nbytes, offset); ValueError before any byte moves).");
+  m.def(
+      "window_scores",
+      [](py::handle q, py::handle k, py::handle out, py::handle layers, py::handle tokens,
+         py::handle tq, py::handle n_kv, py::handle group, py::handle head_dim,
+         py::handle window, bool at_end, float scale) {
+        WindowScoresArgs a;
+        a.q = span_arg(q, "q");
+        a.k = span_arg(k, "k");
+        a.out = span_arg(out, "out");
+        a.layers = field(layers, "layers");
+        a.tokens = field(tokens, "tokens");
+        a.tq = field(tq, "tq");
+        a.n_kv = field(n_kv, "n_kv");
+        a.group = field(group, "group");
+        a.head_dim = field(head_dim, "head_dim");
+        a.window = field(window, "window");
+        a.at_end = at_end;
+        a.scale = scale;
+        const WindowScoresPlan plan(a);
+        py::gil_scoped_release nogil;
+        plan.execute();
+      },
+      "q"_a, "k"_a, "out"_a, "layers"_a, "tokens"_a, "tq"_a, "n_kv"_a, "group"_a,
+      "head_dim"_a, "window"_a, "at_end"_a, "scale"_a,
+      "SnapKV's window attention summed over the window: out [L, Hq, T] float32 from bf16 "
+      "q [L, tq, Hq*hd] and k [L, T, Hkv*hd] (ValueError before any work).");
+  m.def(
+      "score_pool",
+      [](py::handle buf, py::handle rows, py::handle n, py::handle ld, py::handle kernel,
+         bool is_max) {
+        ScorePoolArgs a;
+        a.buf = span_arg(buf, "buf");
+        a.rows = field(rows, "rows");
+        a.n = field(n, "n");
+        a.ld = field(ld, "ld");
+        a.kernel = field(kernel, "kernel");
+        a.max = is_max;
+        const ScorePoolPlan plan(a);
+        py::gil_scoped_release nogil;
+        plan.execute();
+      },
+      "buf"_a, "rows"_a, "n"_a, "ld"_a, "kernel"_a, "is_max"_a,
+      "Pool the first n of each of `rows` float32 rows (ld apart) in place: max or mean "
+      "within kernel // 2 (ValueError before any work).");
+  m.def("window_scores_isa", &window_scores_isa);
+  m.def("_set_window_scores_isa", &set_window_scores_isa, "name"_a);
+}
 
 // Share of the cold regions of a scatter written with pwritev (see execute_with_files):
 // < 0 auto, 0 never, else that fraction (1: all of them).
@@ -594,6 +689,7 @@ PYBIND11_MODULE(_native, m) {
       "[0, rows), every span in its buffer, and the buffers must not overlap (ValueError, "
       "before any byte moves).");
 
+  bind_edit_kernels(m);
   m.def("set_threads", &set_threads, "n"_a);
   m.def("get_threads", &get_threads);
   m.def("set_parallel_threshold",

@@ -15,7 +15,7 @@ from typing import Any
 import torch
 
 from lmcache_kv_fast.edits._inputs import split_input, take_tokens
-from lmcache_kv_fast.edits._rerotate import rerotate
+from lmcache_kv_fast.edits._rerotate import gather_rerotated
 from lmcache_kv_fast.edits._rope import RoPE
 from lmcache_kv_fast.errors import InvalidTypeError
 
@@ -71,10 +71,7 @@ class Selection:
         count = kv_t.shape[2]
         idx = self.indices(kv_t, tokens, queries)
         new_tokens = take_tokens(tokens, idx, count)
-        out = kv_t.index_select(2, idx.to(kv_t.device))
-        if self.rope is not None and idx.numel():
-            rerotate(out, idx, self.rope, inplace=True)
-        return out, new_tokens
+        return gather_rerotated(kv_t, idx, self.rope), new_tokens
 
 
 def chain(*edits: EditFn) -> EditFn:

@@ -15,11 +15,12 @@ from collections.abc import Sequence
 
 import torch
 
+from lmcache_kv_fast.copy.edit_kernels import Rotation, gather_tokens
 from lmcache_kv_fast.edits._inputs import as_positions, check_kv, heads
 from lmcache_kv_fast.edits._rope import RoPE
 from lmcache_kv_fast.errors import InvalidArgumentError, InvalidTypeError
 
-__all__ = ["rerotate"]
+__all__ = ["gather_rerotated", "rerotate"]
 
 
 def _check_rope(rope: object) -> RoPE:
@@ -113,4 +114,26 @@ def rerotate(kv: torch.Tensor, old_positions: Sequence[int] | torch.Tensor, rope
         raise InvalidArgumentError(f"kv: inplace re-rotation needs rows whose heads can be "
                                    f"viewed (contiguous last dim): {exc}") from exc
     _rotate_chunks(k_heads, cos, sin, rope)
+    return out
+
+
+def gather_rerotated(kv: torch.Tensor, idx: torch.Tensor, rope: RoPE | None) -> torch.Tensor:
+    """``kv.index_select(2, idx)``, K re-rotated to ``0 .. n-1`` when ``rope`` is given.
+
+    One native pass (gather and rotation together) where the core takes the tensors,
+    else torch's gather and :func:`rerotate` in place: the same values up to float32
+    rounding order. ``idx`` holds valid indices (the selection's own).
+    """
+    rotation = None
+    if rope is not None and idx.numel():
+        cos, sin = _cos_sin(torch.arange(idx.numel(), dtype=torch.int64) - idx, rope)
+        rotation = Rotation(cos[:, 0].contiguous(), sin[:, 0].contiguous(), rope.head_dim,
+                            rope.rotary_dim, rope.interleaved)
+    wide = kv.dim() == 4 and (rope is None or kv.shape[-1] % rope.head_dim == 0)
+    out = gather_tokens(kv, idx, rotation) if wide else None
+    if out is not None:
+        return out
+    out = kv.index_select(2, idx.to(kv.device))
+    if rope is not None and idx.numel():
+        rerotate(out, idx, rope, inplace=True)
     return out

@@ -14,6 +14,7 @@ from typing import Any
 
 import torch
 
+from lmcache_kv_fast.copy.edit_kernels import pool_scores
 from lmcache_kv_fast.edits._base import Selection, check_rope, top_tokens
 from lmcache_kv_fast.edits._rope import RoPE
 from lmcache_kv_fast.edits._scores import (
@@ -214,8 +215,10 @@ class SnapKV(Selection):
     def _pooled(self, att: torch.Tensor, window: int) -> torch.Tensor:
         """``att`` pooled over the tokens before the window; the window's scores zeroed."""
         prefix = att.shape[-1] - window
-        for layer in range(att.shape[0]):  # per layer: small temporaries, reused heap
-            att[layer, :, :prefix] = pool(att[layer, :, :prefix], self.kernel, self.pooling)
+        if self.kernel > 1 and not pool_scores(att, prefix, self.kernel, self.pooling):
+            for layer in range(att.shape[0]):  # per layer: small temporaries, reused heap
+                att[layer, :, :prefix] = pool(att[layer, :, :prefix], self.kernel,
+                                              self.pooling)
         att[..., prefix:] = 0
         return att
 

@@ -14,6 +14,7 @@ from collections.abc import Sequence
 import torch
 import torch.nn.functional as F
 
+from lmcache_kv_fast.copy.edit_kernels import window_scores
 from lmcache_kv_fast.edits._inputs import heads
 from lmcache_kv_fast.errors import InvalidArgumentError
 
@@ -133,11 +134,23 @@ def window_attention(q: torch.Tensor, k: torch.Tensor, head_dim: int, window: in
         raise InvalidArgumentError(f"queries: {tq} query positions but the KV holds {count} "
                                    f"tokens (queries_at='end' needs Tq <= T)")
     scale = head_dim ** -0.5 if scale is None else scale
+    n_q, n_kv = _query_heads(q, k, head_dim)
+    # the window's rows only: a small copy when q is a slice (a stream's QUERY tensor)
+    native = window_scores(q[:, tq - window:].contiguous(), k, head_dim, n_kv, window,
+                           at_end=at_end, scale=scale)
+    return native if native is not None else _window_torch(q, k, head_dim, window, at_end,
+                                                           scale, n_q // n_kv)
+
+
+def _window_torch(q: torch.Tensor, k: torch.Tensor, head_dim: int, window: int,
+                  at_end: bool, scale: float, g: int) -> torch.Tensor:
+    """:func:`window_attention` in torch (float32 matmuls), one layer at a time."""
+    tq, count = q.shape[1], k.shape[1]
+    n_kv = k.shape[-1] // head_dim
+    n_q = n_kv * g
     # causal mask of the window's queries: only their own window's later keys are hidden
     qpos = torch.arange(window)[:, None]
     mask = torch.arange(window)[None, :] > qpos  # [W, W]
-    n_q, n_kv = _query_heads(q, k, head_dim)
-    g = n_q // n_kv
     out = torch.empty(k.shape[0], n_q, count)
     kh: torch.Tensor | None = None  # one float32 buffer, reused per layer
     for layer in range(k.shape[0]):

@@ -1,0 +1,433 @@
+#include "window_scores.hpp"
+
+#include <pybind11/pybind11.h>
+
+#include <algorithm>
+#include <atomic>
+#include <cmath>
+#include <cstring>
+#include <limits>
+#include <vector>
+
+#include "common.hpp"
+#include "thread_pool.hpp"
+
+#if defined(__x86_64__)
+#include <cpuid.h>
+#include <immintrin.h>
+#include <sys/syscall.h>
+#include <unistd.h>
+#define LMCKV_AMX 1
+#endif
+
+namespace lmckv {
+
+namespace py = pybind11;
+
+namespace {
+
+constexpr const char* kWhat = "window_scores";
+constexpr uint64_t kTile = 16;  // rows and columns of an AMX float32 tile
+
+// Per-thread scratch, reused across tasks and calls.
+struct Scratch {
+  std::vector<uint16_t> a;    // the unit's queries, [rows_pad, head_dim]
+  std::vector<uint32_t> b;    // the head's keys, packed as AMX's B operand
+  std::vector<float> logits;  // [rows_pad, tokens_pad]
+  std::vector<float> e;       // one row's softmax numerators
+  std::vector<uint64_t> visible;  // keys each row sees
+  std::vector<float> mx;  // each row's lane-wise running maximum (16 per row)
+};
+thread_local Scratch t_scratch;
+
+uint64_t round_up(uint64_t v, uint64_t m) { return (v + m - 1) / m * m; }
+
+// ------------------------------------------------------------------ ISA selection
+std::atomic<int> g_forced{-1};  // -1 auto, 0 generic, 1 amx
+
+bool amx_available() {
+#ifdef LMCKV_AMX
+  static const bool ok = [] {
+    unsigned a = 0, b = 0, c = 0, d = 0;
+    if (!__get_cpuid_count(7, 0, &a, &b, &c, &d)) return false;
+    const bool amx = (d >> 22 & 1u) && (d >> 24 & 1u);  // AMX-BF16, AMX-TILE
+    if (!amx || !__builtin_cpu_supports("avx512f") || !__builtin_cpu_supports("avx512bw")) {
+      return false;
+    }
+    constexpr long kReqXcompPerm = 0x1023, kXtileData = 18;
+    return syscall(SYS_arch_prctl, kReqXcompPerm, kXtileData) == 0;
+  }();
+  return ok;
+#else
+  return false;
+#endif
+}
+
+bool use_amx(uint64_t head_dim) {
+  const int forced = g_forced.load(std::memory_order_relaxed);
+  const bool fits = head_dim % 32 == 0 && head_dim <= 128;
+  if (forced == 0 || !fits) return false;
+  return amx_available();
+}
+
+// ------------------------------------------------------------------ logits, portable
+void logits_generic(const uint16_t* a, uint64_t rows, const uint16_t* k, uint64_t k_row,
+                    uint64_t tokens, uint64_t hd, float* lg, uint64_t ld) {
+  std::vector<float> kf(hd), af(rows * hd);
+  for (uint64_t i = 0; i < rows * hd; ++i) af[i] = bf16_to_f32(a[i]);
+  for (uint64_t t = 0; t < tokens; ++t) {
+    for (uint64_t d = 0; d < hd; ++d) kf[d] = bf16_to_f32(k[t * k_row + d]);
+    for (uint64_t r = 0; r < rows; ++r) {
+      const float* x = af.data() + r * hd;
+      float acc = 0.0f;
+      for (uint64_t d = 0; d < hd; ++d) acc += x[d] * kf[d];
+      lg[r * ld + t] = acc;
+    }
+  }
+}
+
+// ------------------------------------------------------------------ logits, AMX
+#ifdef LMCKV_AMX
+struct TileConfig {
+  uint8_t palette = 1, start_row = 0, reserved[14] = {};
+  uint16_t colsb[16] = {};
+  uint8_t rows[16] = {};
+};
+
+#define LMCKV_AMX_TARGET __attribute__((target("amx-tile,amx-bf16,avx512f,avx512bw")))
+
+LMCKV_AMX_TARGET inline __mmask16 tail_mask(uint64_t left) {
+  return left >= 16 ? static_cast<__mmask16>(0xffff) : static_cast<__mmask16>((1u << left) - 1);
+}
+
+// In-register transpose of a 16 x 16 matrix of 32-bit words: r[j][c] -> r[c][j].
+LMCKV_AMX_TARGET inline void transpose16(__m512i r[16]) {
+  __m512i t[16], u[16];
+  for (int i = 0; i < 8; ++i) {
+    t[2 * i] = _mm512_unpacklo_epi32(r[2 * i], r[2 * i + 1]);
+    t[2 * i + 1] = _mm512_unpackhi_epi32(r[2 * i], r[2 * i + 1]);
+  }
+  for (int g = 0; g < 4; ++g) {  // u[4g + m], lane L: column 4L + m of rows 4g .. 4g + 3
+    u[4 * g] = _mm512_unpacklo_epi64(t[4 * g], t[4 * g + 2]);
+    u[4 * g + 1] = _mm512_unpackhi_epi64(t[4 * g], t[4 * g + 2]);
+    u[4 * g + 2] = _mm512_unpacklo_epi64(t[4 * g + 1], t[4 * g + 3]);
+    u[4 * g + 3] = _mm512_unpackhi_epi64(t[4 * g + 1], t[4 * g + 3]);
+  }
+  for (int m = 0; m < 4; ++m) {  // a 4 x 4 transpose of 128-bit lanes
+    const __m512i v0 = _mm512_shuffle_i32x4(u[m], u[4 + m], 0x44);
+    const __m512i v1 = _mm512_shuffle_i32x4(u[m], u[4 + m], 0xEE);
+    const __m512i v2 = _mm512_shuffle_i32x4(u[8 + m], u[12 + m], 0x44);
+    const __m512i v3 = _mm512_shuffle_i32x4(u[8 + m], u[12 + m], 0xEE);
+    r[m] = _mm512_shuffle_i32x4(v0, v2, 0x88);
+    r[4 + m] = _mm512_shuffle_i32x4(v0, v2, 0xDD);
+    r[8 + m] = _mm512_shuffle_i32x4(v1, v3, 0x88);
+    r[12 + m] = _mm512_shuffle_i32x4(v1, v3, 0xDD);
+  }
+}
+
+// One head's keys as AMX B tiles, block by block of 16 keys: in block kb, tile kt, word
+// (pair p, key j) holds dims kt*32 + 2p, +1 of key kb*16 + j (zero past `tokens`).
+LMCKV_AMX_TARGET void pack_keys(uint32_t* b, const uint16_t* k, uint64_t k_row,
+                                uint64_t tokens, uint64_t hd) {
+  const uint64_t nkt = hd / 32;
+  for (uint64_t t0 = 0; t0 < tokens; t0 += kTile) {
+    const uint64_t n = std::min(kTile, tokens - t0);
+    for (uint64_t kt = 0; kt < nkt; ++kt, b += kTile * kTile) {
+      __m512i r[16];
+      for (uint64_t j = 0; j < kTile; ++j) {
+        r[j] = j < n ? _mm512_loadu_si512(k + (t0 + j) * k_row + kt * 32) : _mm512_setzero_si512();
+      }
+      transpose16(r);
+      for (uint64_t p = 0; p < kTile; ++p) _mm512_storeu_si512(b + p * kTile, r[p]);
+    }
+  }
+}
+
+// The tile shapes: every tile 16 rows of 64 bytes (16 float32 or 32 bfloat16 columns).
+LMCKV_AMX_TARGET inline void configure_tiles() {
+  TileConfig cfg;
+  for (int i = 0; i < 8; ++i) {
+    cfg.rows[i] = kTile;
+    cfg.colsb[i] = 64;
+  }
+  _tile_loadconfig(&cfg);
+}
+
+// Each row's running maximum over its visible keys, taken from C tiles just stored (hot
+// in L1), so the softmax needs no separate pass over the logits for it.
+struct MaxTracker {
+  const uint64_t* visible;  // keys row r sees (causal window; padding keys never)
+  float* mx;                // per-row lane-wise maxima, 16 per row
+
+  LMCKV_AMX_TARGET inline void update(const float* c, uint64_t ld, uint64_t r0,
+                                      uint64_t t0) const {
+    for (uint64_t i = 0; i < kTile; ++i) {
+      const uint64_t n = visible[r0 + i];
+      if (t0 >= n) continue;
+      const __mmask16 m = tail_mask(n - t0);
+      float* row = mx + (r0 + i) * 16;
+      const __m512 cur = _mm512_loadu_ps(row);
+      _mm512_storeu_ps(row, _mm512_mask_max_ps(cur, m, cur, _mm512_loadu_ps(c + i * ld)));
+    }
+  }
+};
+
+// Two row blocks of 16 (tmm4/5 and tmm6/7 hold their A tiles) against every key block:
+// head_dim 64 or less (one or two 32-element k steps).
+LMCKV_AMX_TARGET void rows_x2_small(const uint16_t* a, uint64_t hd, const uint32_t* b,
+                                    uint64_t tokens, float* lg, uint64_t ld,
+                                    const MaxTracker& mt, uint64_t r0) {
+  const uint64_t nkt = hd / 32, stride = hd * 2, next = 16 * hd;
+  _tile_loadd(4, a, stride);
+  _tile_loadd(6, a + next, stride);
+  if (nkt > 1) {
+    _tile_loadd(5, a + 32, stride);
+    _tile_loadd(7, a + next + 32, stride);
+  }
+  for (uint64_t t0 = 0; t0 < tokens; t0 += kTile, b += nkt * kTile * kTile) {
+    _tile_zero(0);
+    _tile_zero(1);
+    _tile_loadd(2, b, 64);
+    _tile_dpbf16ps(0, 4, 2);
+    _tile_dpbf16ps(1, 6, 2);
+    if (nkt > 1) {
+      _tile_loadd(3, b + 256, 64);
+      _tile_dpbf16ps(0, 5, 3);
+      _tile_dpbf16ps(1, 7, 3);
+    }
+    if (t0) {  // the previous block's tiles: their stores have drained by now
+      mt.update(lg + t0 - kTile, ld, r0, t0 - kTile);
+      mt.update(lg + 16 * ld + t0 - kTile, ld, r0 + kTile, t0 - kTile);
+    }
+    _tile_stored(0, lg + t0, ld * 4);
+    _tile_stored(1, lg + 16 * ld + t0, ld * 4);
+  }
+  const uint64_t last = (tokens - 1) / kTile * kTile;
+  mt.update(lg + last, ld, r0, last);
+  mt.update(lg + 16 * ld + last, ld, r0 + kTile, last);
+}
+
+// One row block of 16 (tmm4 .. tmm7 hold its A tiles) against every key block: any
+// head_dim the AMX path takes (up to four k steps).
+LMCKV_AMX_TARGET void rows_x1(const uint16_t* a, uint64_t hd, const uint32_t* b,
+                              uint64_t tokens, float* lg, uint64_t ld, const MaxTracker& mt,
+                              uint64_t r0) {
+  const uint64_t nkt = hd / 32, stride = hd * 2;
+  _tile_loadd(4, a, stride);
+  if (nkt > 1) _tile_loadd(5, a + 32, stride);
+  if (nkt > 2) _tile_loadd(6, a + 64, stride);
+  if (nkt > 3) _tile_loadd(7, a + 96, stride);
+  for (uint64_t t0 = 0; t0 < tokens; t0 += kTile, b += nkt * kTile * kTile) {
+    _tile_zero(0);
+    _tile_loadd(2, b, 64);
+    _tile_dpbf16ps(0, 4, 2);
+    if (nkt > 1) {
+      _tile_loadd(3, b + 256, 64);
+      _tile_dpbf16ps(0, 5, 3);
+    }
+    if (nkt > 2) {
+      _tile_loadd(2, b + 512, 64);
+      _tile_dpbf16ps(0, 6, 2);
+    }
+    if (nkt > 3) {
+      _tile_loadd(3, b + 768, 64);
+      _tile_dpbf16ps(0, 7, 3);
+    }
+    if (t0) mt.update(lg + t0 - kTile, ld, r0, t0 - kTile);  // stored a block ago
+    _tile_stored(0, lg + t0, ld * 4);
+  }
+  const uint64_t last = (tokens - 1) / kTile * kTile;
+  mt.update(lg + last, ld, r0, last);
+}
+
+// lg[r][t] = a[r] . key t for every row (rows_pad of them) and key, from packed keys;
+// each row's maximum over its visible keys into `mt`.
+LMCKV_AMX_TARGET void logits_amx(const uint16_t* a, uint64_t rows_pad, const uint32_t* b,
+                                 uint64_t tokens, uint64_t hd, float* lg, uint64_t ld,
+                                 const MaxTracker& mt) {
+  configure_tiles();
+  uint64_t rb = 0;
+  if (hd <= 64) {
+    for (; rb + 2 * kTile <= rows_pad; rb += 2 * kTile) {
+      rows_x2_small(a + rb * hd, hd, b, tokens, lg + rb * ld, ld, mt, rb);
+    }
+  }
+  for (; rb < rows_pad; rb += kTile) rows_x1(a + rb * hd, hd, b, tokens, lg + rb * ld, ld, mt, rb);
+  _tile_release();
+}
+
+// ------------------------------------------------------------------ softmax, AVX-512
+// 2^z for z <= 0: 2^round(z) times a degree-7 polynomial of the rest (|f| <= 1/2,
+// relative error ~1e-7); underflows to 0 far below.
+LMCKV_AMX_TARGET inline __m512 exp2_512(__m512 z) {
+  const __m512 n = _mm512_roundscale_ps(z, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  const __m512 f = _mm512_sub_ps(z, n);
+  __m512 p = _mm512_set1_ps(1.5252733804059841e-05f);  // ln2^k / k!, k = 7 .. 1
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.5403530393381606e-04f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.3333558146428443e-03f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(9.6181291076284770e-03f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(5.5504108664821580e-02f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(2.4022650695910071e-01f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(6.9314718055994531e-01f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.0f));
+  return _mm512_scalef_ps(p, n);
+}
+
+// e[t] = exp(scale * (x[t] - mx)) for t < n (mx: x's maximum over them), then
+// out[t] += e[t] / sum(e): row x's softmax over its first n keys, added to out.
+LMCKV_AMX_TARGET void softmax_add_avx512(const float* x, uint64_t n, float scale, float mx,
+                                         float* e, float* out) {
+  constexpr double kLog2e = 1.4426950408889634;
+  const __m512 a = _mm512_set1_ps(static_cast<float>(scale * kLog2e));
+  const __m512 b = _mm512_set1_ps(static_cast<float>(-mx * scale * kLog2e));
+  __m512 vs = _mm512_setzero_ps();
+  for (uint64_t t = 0; t < n; t += 16) {
+    const __mmask16 m = tail_mask(n - t);
+    const __m512 v = _mm512_maskz_mov_ps(m, exp2_512(_mm512_fmadd_ps(_mm512_loadu_ps(x + t), a, b)));
+    vs = _mm512_add_ps(vs, v);
+    _mm512_storeu_ps(e + t, v);  // e has room for whole vectors
+  }
+  const __m512 inv = _mm512_set1_ps(1.0f / _mm512_reduce_add_ps(vs));
+  for (uint64_t t = 0; t < n; t += 16) {
+    const __mmask16 m = tail_mask(n - t);
+    const __m512 o = _mm512_fmadd_ps(_mm512_loadu_ps(e + t), inv, _mm512_maskz_loadu_ps(m, out + t));
+    _mm512_mask_storeu_ps(out + t, m, o);
+  }
+}
+#endif  // LMCKV_AMX
+
+// ------------------------------------------------------------------ softmax, portable
+void softmax_add_generic(float* x, uint64_t n, float scale, float* out) {
+  float mx = -std::numeric_limits<float>::infinity();
+  for (uint64_t t = 0; t < n; ++t) mx = std::max(mx, x[t]);
+  const float m = mx * scale;
+  double s = 0.0;
+  for (uint64_t t = 0; t < n; ++t) {
+    x[t] = std::exp(x[t] * scale - m);
+    s += x[t];
+  }
+  const float inv = static_cast<float>(1.0 / s);
+  for (uint64_t t = 0; t < n; ++t) out[t] += x[t] * inv;
+}
+
+#ifdef LMCKV_AMX
+// The AMX path of one unit: logits (with row maxima), softmax numerators, then each
+// query head's sum over its `w` window rows into out [group][T].
+template <typename Visible>
+LMCKV_AMX_TARGET void scores_amx(Scratch& s, const uint16_t* k, uint64_t k_row, uint64_t T,
+                                 uint64_t hd, uint64_t rows, uint64_t rows_pad, uint64_t ld,
+                                 uint64_t w, float scale, const Visible& visible, float* out) {
+  s.b.resize(ld * hd / 2);
+  s.visible.assign(rows_pad, 0);
+  s.mx.assign(rows_pad * 16, -std::numeric_limits<float>::infinity());
+  for (uint64_t r = 0; r < rows; ++r) s.visible[r] = visible(r);
+  float* lg = s.logits.data();
+  pack_keys(s.b.data(), k, k_row, T, hd);
+  logits_amx(s.a.data(), rows_pad, s.b.data(), T, hd, lg, ld,
+             MaxTracker{s.visible.data(), s.mx.data()});
+  s.e.resize(ld);  // one row's exp terms, L1-sized: each row is added while it is hot
+  std::fill(out, out + rows / w * T, 0.0f);
+  for (uint64_t r = 0; r < rows; ++r) {
+    const float mx = _mm512_reduce_max_ps(_mm512_loadu_ps(s.mx.data() + r * 16));
+    softmax_add_avx512(lg + r * ld, s.visible[r], scale, mx, s.e.data(), out + (r / w) * T);
+  }
+}
+#endif
+
+[[noreturn]] void fail(const std::string& msg) {
+  throw py::value_error(std::string(kWhat) + ": " + msg);
+}
+
+}  // namespace
+
+WindowScoresPlan::WindowScoresPlan(const WindowScoresArgs& a) : a_(a) {
+  if (a.n_kv == 0 || a.group == 0 || a.head_dim == 0) fail("heads and head_dim must be >= 1");
+  if (a.window == 0 || a.window > a.tq) {
+    fail("window must be 1 .. " + std::to_string(a.tq) + " (the queries), got " +
+         std::to_string(a.window));
+  }
+  if (a.at_end && a.window > a.tokens) fail("window is longer than the KV");
+  if (!(a.scale > 0.0f) || !std::isfinite(a.scale)) fail("scale must be a finite float > 0");
+  const uint64_t hq = checked_mul(a.n_kv, a.group, kWhat);
+  const uint64_t qn = checked_mul(checked_mul(a.layers, a.tq, kWhat), hq * a.head_dim, kWhat);
+  const uint64_t kn = checked_mul(checked_mul(a.layers, a.tokens, kWhat), a.n_kv * a.head_dim,
+                                  kWhat);
+  const uint64_t on = checked_mul(checked_mul(a.layers, hq, kWhat), a.tokens, kWhat);
+  q_ = reinterpret_cast<const uint16_t*>(
+      checked_span(a.q.base, a.q.nbytes, a.q.offset, checked_mul(qn, 2, kWhat), kWhat, "q"));
+  k_ = reinterpret_cast<const uint16_t*>(
+      checked_span(a.k.base, a.k.nbytes, a.k.offset, checked_mul(kn, 2, kWhat), kWhat, "k"));
+  const uint64_t out_bytes = checked_mul(on, 4, kWhat);
+  out_ = reinterpret_cast<float*>(const_cast<char*>(
+      checked_span(a.out.base, a.out.nbytes, a.out.offset, out_bytes, kWhat, "out")));
+  const char* o = reinterpret_cast<const char*>(out_);
+  const char* qb = reinterpret_cast<const char*>(q_);
+  const char* kb = reinterpret_cast<const char*>(k_);
+  if (on && ((o < qb + qn * 2 && qb < o + out_bytes) || (o < kb + kn * 2 && kb < o + out_bytes))) {
+    fail("out overlaps q or k");
+  }
+}
+
+void WindowScoresPlan::run_unit(uint64_t unit, bool amx) const {
+  const uint64_t l = unit / a_.n_kv, h = unit % a_.n_kv, hd = a_.head_dim, T = a_.tokens;
+  const uint64_t hq = a_.n_kv * a_.group, rows = a_.group * a_.window, w = a_.window;
+  const uint64_t rows_pad = round_up(rows, kTile);
+  // one cache line more than the keys: rows 2^k bytes apart would share L1 sets
+  const uint64_t ld = round_up(T, kTile) + kTile;
+  Scratch& s = t_scratch;
+  s.a.assign(rows_pad * hd, 0);
+  if (s.logits.size() < rows_pad * ld) s.logits.resize(rows_pad * ld);
+  for (uint64_t r = 0; r < rows; ++r) {  // row r: query head h*group + r / w, query r % w
+    const uint64_t head = h * a_.group + r / w, pos = a_.tq - w + r % w;
+    std::memcpy(s.a.data() + r * hd, q_ + ((l * a_.tq + pos) * hq + head) * hd, hd * 2);
+  }
+  const uint16_t* k = k_ + l * T * a_.n_kv * hd + h * hd;
+  float* out = out_ + (l * hq + h * a_.group) * T;
+  float* lg = s.logits.data();
+  auto visible = [&](uint64_t r) { return a_.at_end ? T - w + r % w + 1 : T; };
+#ifdef LMCKV_AMX
+  if (amx) {
+    scores_amx(s, k, a_.n_kv * hd, T, hd, rows, rows_pad, ld, w, a_.scale, visible, out);
+    return;
+  }
+#endif
+  logits_generic(s.a.data(), rows, k, a_.n_kv * hd, T, hd, lg, ld);
+  std::fill(out, out + a_.group * T, 0.0f);
+  for (uint64_t r = 0; r < rows; ++r) {
+    softmax_add_generic(lg + r * ld, visible(r), a_.scale, out + (r / w) * T);
+  }
+}
+
+void WindowScoresPlan::execute() const {
+  const uint64_t units = a_.layers * a_.n_kv;
+  if (units == 0 || a_.tokens == 0) return;
+  const bool amx = use_amx(a_.head_dim);
+  // the pool splits by bytes: weigh a unit by its logits (the work), not its inputs
+  const uint64_t work = units * a_.group * a_.window * a_.tokens * 4;
+  run_parallel(work, static_cast<int>(std::min<uint64_t>(units, 1u << 20)),
+               [this, units, amx](int task, int ntasks) {
+                 const uint64_t t = static_cast<uint64_t>(task), nt = static_cast<uint64_t>(ntasks);
+                 for (uint64_t u = units * t / nt; u < units * (t + 1) / nt; ++u) run_unit(u, amx);
+               });
+}
+
+std::string window_scores_isa() {
+  const int forced = g_forced.load();
+  if (forced == 0) return "generic";
+  return amx_available() ? "amx" : "generic";
+}
+
+void set_window_scores_isa(const std::string& name) {
+  if (name == "auto") {
+    g_forced.store(-1);
+  } else if (name == "generic") {
+    g_forced.store(0);
+  } else if (name == "amx") {
+    if (!amx_available()) fail("this CPU or OS cannot run AMX tiles (no AMX-BF16 or no permission)");
+    g_forced.store(1);
+  } else {
+    fail("isa must be 'auto', 'amx' or 'generic', got '" + name + "'");
+  }
+}
+
+}  // namespace lmckv

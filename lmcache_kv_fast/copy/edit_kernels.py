@@ -1,0 +1,143 @@
+"""The native core's edit kernels: a token gather with RoPE re-rotation, window attention.
+
+The selection edits (:mod:`lmcache_kv_fast.edits`) call these when the native backend is
+live and the tensors suit the core (CPU, contiguous, bfloat16 or float32 KV, bfloat16
+queries); otherwise each returns None and the edit runs its torch code, which computes
+the same values. Results live in the result pool (:func:`alloc_result`), so an edit that
+runs per sequence reuses already-faulted memory. ``csrc/rope_gather.cpp`` and
+``csrc/window_scores.cpp`` say what is computed and how.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+
+from lmcache_kv_fast.copy.select import backend
+
+__all__ = ["Rotation", "gather_tokens", "pool_scores", "window_scores", "window_scores_isa"]
+
+_KV_DTYPES = {torch.bfloat16: "bfloat16", torch.float32: "float32"}
+
+
+class Rotation(NamedTuple):
+    """How :func:`gather_tokens` turns plane 0's rotary pairs: per kept row ``j``.
+
+    Attributes:
+        cos: float32 ``[n, rotary_dim / 2]``, contiguous.
+        sin: float32 ``[n, rotary_dim / 2]``, contiguous.
+        head_dim: Elements per head.
+        rotary_dim: Rotated elements at the start of each head (even, <= ``head_dim``).
+        interleaved: Pairs ``(2i, 2i+1)`` instead of neox's ``(i, i + rotary_dim/2)``.
+    """
+
+    cos: torch.Tensor
+    sin: torch.Tensor
+    head_dim: int
+    rotary_dim: int
+    interleaved: bool
+
+
+def _native() -> object | None:
+    be = backend()
+    return getattr(be, "_native", None) if be.NAME == "native" else None
+
+
+def _span(t: torch.Tensor) -> tuple[int, int, int]:
+    """``(buffer address, buffer bytes, view offset)`` of ``t`` (nothing for no elements)."""
+    if t.numel() == 0:
+        return 0, 0, 0
+    st = t.untyped_storage()
+    return st.data_ptr(), st.nbytes(), t.data_ptr() - st.data_ptr()
+
+
+def _dense(t: torch.Tensor) -> bool:
+    return type(t) is torch.Tensor and t.device.type == "cpu" and t.is_contiguous() and \
+        t.layout == torch.strided and not t.is_conj() and not t.is_neg()
+
+
+def gather_tokens(kv: torch.Tensor, idx: torch.Tensor,
+                  rotation: Rotation | None = None) -> torch.Tensor | None:
+    """``kv.index_select(2, idx)`` with plane 0 re-rotated, in one native pass; or None.
+
+    Args:
+        kv: ``[planes, L, T, D]``, contiguous, bfloat16 or float32.
+        idx: int64 ``[n]``, every entry in ``[0, T)`` (checked by the core).
+        rotation: The rotation of each kept row's K, or None for a plain gather.
+
+    Returns:
+        A new ``[planes, L, n, D]`` tensor, or None when the core cannot run this call.
+    """
+    native = _native()
+    if native is None or kv.dim() != 4 or kv.dtype not in _KV_DTYPES or not _dense(kv) or \
+            idx.dtype != torch.int64 or idx.dim() != 1 or not _dense(idx):
+        return None
+    planes, layers, rows, width = kv.shape
+    n = idx.numel()
+    out = backend().alloc_result((planes, layers, n, width), kv.dtype)
+    empty = torch.empty(0, dtype=torch.float32)
+    cos, sin = (rotation.cos, rotation.sin) if rotation is not None else (empty, empty)
+    native.rope_gather(  # type: ignore[attr-defined]
+        _span(out), _span(kv), _span(idx), _span(cos), _span(sin), planes, layers, rows, n,
+        width, rotation.head_dim if rotation else 0, rotation.rotary_dim if rotation else 0,
+        bool(rotation and rotation.interleaved), _KV_DTYPES[kv.dtype])
+    return out
+
+
+def window_scores(q: torch.Tensor, k: torch.Tensor, head_dim: int, n_kv: int, window: int,
+                  *, at_end: bool, scale: float) -> torch.Tensor | None:
+    """Window attention summed over the window, ``[L, Hq, T]`` float32; or None.
+
+    Args:
+        q: bfloat16 ``[L, Tq, Hq * head_dim]``, contiguous; its last ``window`` rows are
+            the window's queries.
+        k: bfloat16 ``[L, T, n_kv * head_dim]``, contiguous (plane 0 of the KV).
+        head_dim: Elements per head.
+        n_kv: KV heads (``Hq`` must be a multiple: GQA).
+        window: Queries in the window (1 .. Tq).
+        at_end: The queries are the KV's last tokens (causal within the window).
+        scale: Logit scale (> 0).
+
+    Returns:
+        The scores, or None when the core cannot run this call (dtypes, layout, backend).
+    """
+    native = _native()
+    if native is None or q.dtype != torch.bfloat16 or k.dtype != torch.bfloat16 or \
+            q.dim() != 3 or k.dim() != 3 or not (_dense(q) and _dense(k)) or \
+            not (scale > 0) or n_kv <= 0 or head_dim <= 0 or k.shape[2] != n_kv * head_dim or \
+            q.shape[2] % (n_kv * head_dim):
+        return None
+    layers, count = k.shape[0], k.shape[1]
+    group = q.shape[2] // (n_kv * head_dim)
+    out = backend().alloc_result((layers, n_kv * group, count), torch.float32)
+    native.window_scores(  # type: ignore[attr-defined]
+        _span(q), _span(k), _span(out), layers, count, q.shape[1], n_kv, group, head_dim,
+        window, at_end, float(scale))
+    return out
+
+
+def pool_scores(x: torch.Tensor, n: int, kernel: int, how: str) -> bool:
+    """Pool the first ``n`` scores of every row of ``x`` ``[..., T]`` in place (SnapKV).
+
+    Each becomes the max (``how="max"``) or mean (``"avg"``) of the scores within
+    ``kernel // 2`` positions, positions past the row's first ``n`` not counting.
+
+    Returns:
+        True when done; False when the core cannot run it (not contiguous float32 on
+        CPU, no native backend): nothing was changed.
+    """
+    native = _native()
+    if native is None or x.dtype != torch.float32 or not _dense(x) or x.dim() < 1 or \
+            not 0 <= n <= x.shape[-1] or how not in ("max", "avg"):
+        return False
+    rows = x.numel() // max(1, x.shape[-1])
+    native.score_pool(_span(x), rows, n, x.shape[-1], kernel,  # type: ignore[attr-defined]
+                      how == "max")
+    return True
+
+
+def window_scores_isa() -> str:
+    """``"amx"``, ``"generic"`` (the core's portable loop), or ``"torch"`` (no native core)."""
+    native = _native()
+    return "torch" if native is None else native.window_scores_isa()  # type: ignore[attr-defined]

@@ -1,0 +1,238 @@
+"""The native edit kernels against the torch code they replace (csrc/window_scores.cpp,
+rope_gather.cpp, score_pool.cpp; lmcache_kv_fast/copy/edit_kernels.py).
+
+Every kernel is compared with the torch path of the same edit function on the same
+inputs — both AMX and the portable loop for the window scores — and fed bad spans,
+indices and arguments, which must raise before anything is written.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterator
+
+import pytest
+import torch
+
+from lmcache_kv_fast import _native, edits
+from lmcache_kv_fast.copy import edit_kernels as ek
+from lmcache_kv_fast.edits._rerotate import gather_rerotated, rerotate
+from lmcache_kv_fast.edits._scores import _window_torch, pool
+
+ISAS = ["generic"] + (["amx"] if ek.window_scores_isa() == "amx" else [])
+
+
+@pytest.fixture(params=ISAS)
+def isa(request: pytest.FixtureRequest) -> Iterator[str]:
+    """Each window-scores path this machine runs (AMX only where the CPU has it)."""
+    _native._set_window_scores_isa(request.param)
+    try:
+        yield request.param
+    finally:
+        _native._set_window_scores_isa("auto")
+
+
+def _bf16(*shape: int, seed: int) -> torch.Tensor:
+    gen = torch.Generator().manual_seed(seed)
+    return torch.randn(*shape, generator=gen).to(torch.bfloat16)
+
+
+# (layers, tokens, kv heads, group, head_dim, window, at_end)
+SCORE_CASES = [
+    (2, 64, 2, 4, 64, 16, True),     # whole tiles
+    (3, 37, 2, 3, 32, 5, True),      # ragged rows and keys
+    (2, 100, 1, 2, 128, 7, False),   # queries after the KV: every key visible
+    (2, 50, 2, 2, 80, 9, True),      # head_dim AMX cannot take: the portable loop
+    (1, 300, 4, 1, 96, 33, True),    # no GQA, three k steps, window past a tile
+    (2, 16, 1, 8, 64, 16, True),     # window = the whole KV
+    (1, 1, 1, 1, 64, 1, True),       # one token
+    (1, 200, 1, 2, 256, 4, True),    # head_dim 256: the portable loop
+]
+
+
+@pytest.mark.parametrize("case", SCORE_CASES, ids=lambda c: "x".join(map(str, c)))
+def test_window_scores_match_torch(case: tuple, isa: str) -> None:
+    layers, count, n_kv, g, hd, window, at_end = case
+    k = _bf16(layers, count, n_kv * hd, seed=1)
+    q = _bf16(layers, window + 3, n_kv * g * hd, seed=2)
+    scale = hd ** -0.5
+    ref = _window_torch(q, k, hd, window, at_end, scale, g)
+    got = ek.window_scores(q, k, hd, n_kv, window, at_end=at_end, scale=scale)
+    assert got is not None and got.shape == ref.shape and got.dtype == torch.float32
+    # each output sums `window` probabilities: float32 rounding of sums and exps only
+    torch.testing.assert_close(got, ref, rtol=2e-6, atol=2e-7)
+
+
+def test_window_scores_large_logits(isa: str) -> None:
+    """Logits far from 0 (scaled keys): the max shift keeps every softmax finite."""
+    k = _bf16(1, 70, 64, seed=3) * 40
+    q = _bf16(1, 8, 4 * 64, seed=4) * 40
+    ref = _window_torch(q, k, 64, 8, True, 0.125, 4)
+    got = ek.window_scores(q, k, 64, 1, 8, at_end=True, scale=0.125)
+    assert got is not None and torch.isfinite(got).all()
+    torch.testing.assert_close(got, ref, rtol=1e-5, atol=1e-6)
+    # each query head sums 8 softmax rows: 8 in total
+    torch.testing.assert_close(got.sum(-1), torch.full((1, 4), 8.0), rtol=1e-5, atol=0)
+
+
+def test_window_scores_declines_what_it_cannot_run() -> None:
+    k, q = _bf16(1, 20, 64, seed=5), _bf16(1, 4, 128, seed=6)
+    assert ek.window_scores(q.float(), k, 64, 1, 4, at_end=True, scale=0.1) is None
+    assert ek.window_scores(q, k.float(), 64, 1, 4, at_end=True, scale=0.1) is None
+    assert ek.window_scores(q[:, ::2], k, 64, 1, 2, at_end=True, scale=0.1) is None
+    assert ek.window_scores(q, k, 64, 1, 4, at_end=True, scale=0.0) is None
+    assert ek.window_scores(q, k, 48, 1, 4, at_end=True, scale=0.1) is None
+
+
+@pytest.mark.parametrize("bad", [
+    dict(window=0), dict(window=5), dict(at_end=True, tokens=3), dict(scale=-1.0),
+    dict(scale=math.inf), dict(n_kv=0), dict(q_bytes=-2), dict(k_bytes=-2), dict(out_bytes=-4),
+])
+def test_window_scores_rejects_bad_arguments(bad: dict) -> None:
+    k, q = _bf16(1, 20, 64, seed=7), _bf16(1, 4, 128, seed=8)
+    out = torch.full((1, 2, 20), 7.0)
+    tokens = bad.get("tokens", 20)
+    spans = []
+    for t, name in ((q, "q_bytes"), (k, "k_bytes"), (out, "out_bytes")):
+        base, nbytes, off = ek._span(t)
+        spans.append((base, nbytes + bad.get(name, 0), off))
+    with pytest.raises(ValueError, match="window_scores"):
+        _native.window_scores(*spans, 1, tokens, 4, bad.get("n_kv", 1), 2, 64,
+                              bad.get("window", 4), bad.get("at_end", True),
+                              bad.get("scale", 0.125))
+    assert bool((out == 7.0).all())  # nothing written
+
+
+def test_window_scores_isa_names() -> None:
+    assert ek.window_scores_isa() in ("amx", "generic")
+    with pytest.raises(ValueError, match="isa must be"):
+        _native._set_window_scores_isa("avx9")
+
+
+# ------------------------------------------------------------------ rope_gather
+def _rope(**extra: object) -> edits.RoPE:
+    cfg = {"model_type": "llama", "head_dim": 64, "rope_theta": 500000.0, **extra}
+    return edits.rope_from_config(cfg)
+
+
+ROPES = {
+    "default": {},
+    "llama3": {"rope_scaling": {"rope_type": "llama3", "factor": 32.0, "low_freq_factor": 1.0,
+                                "high_freq_factor": 4.0,
+                                "original_max_position_embeddings": 8192}},
+    "partial": {"partial_rotary_factor": 0.5},
+}
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("rope_name", list(ROPES))
+@pytest.mark.parametrize("interleaved", [False, True])
+def test_gather_rerotated_matches_torch(dtype: torch.dtype, rope_name: str,
+                                        interleaved: bool) -> None:
+    import dataclasses
+
+    rope = dataclasses.replace(_rope(**ROPES[rope_name]), interleaved=interleaved)
+    kv = (torch.randn(2, 3, 300, 4 * 64, generator=torch.Generator().manual_seed(9)) * 3
+          ).to(dtype)
+    idx = torch.tensor(sorted(set(range(0, 300, 3)) | {299, 1, 2}), dtype=torch.int64)
+    ref = kv.index_select(2, idx)
+    rerotate(ref, idx, rope, inplace=True)
+    got = gather_rerotated(kv, idx, rope)
+    assert got.shape == ref.shape and got.dtype == dtype
+    assert torch.equal(got[1], ref[1])  # V moved unchanged
+    if rope.rotary_dim < rope.head_dim:  # the non-rotary dims too
+        tail = got[0].view(3, -1, 4, 64)[..., rope.rotary_dim:]
+        assert torch.equal(tail, ref[0].view(3, -1, 4, 64)[..., rope.rotary_dim:])
+    assert torch.equal(got, ref)  # torch's order of float32 operations: bit for bit
+
+
+def test_plain_gather_is_index_select() -> None:
+    kv = _bf16(2, 4, 100, 128, seed=10)
+    idx = torch.tensor([0, 5, 6, 7, 50, 99], dtype=torch.int64)
+    got = ek.gather_tokens(kv, idx)
+    assert got is not None and torch.equal(got, kv.index_select(2, idx))
+    assert ek.gather_tokens(kv, idx[:0]).shape == (2, 4, 0, 128)
+
+
+def _rope_gather(out: torch.Tensor, kv: torch.Tensor, idx: torch.Tensor, cos: torch.Tensor,
+                 sin: torch.Tensor, rotary: int = 64, head: int = 64, rows: int | None = None,
+                 shrink: str = "") -> None:
+    spans = []
+    for t, name in ((out, "dst"), (kv, "src"), (idx, "idx"), (cos, "cos"), (sin, "sin")):
+        base, nbytes, off = ek._span(t)
+        spans.append((base, nbytes - (4 if shrink == name else 0), off))
+    _native.rope_gather(*spans, 2, kv.shape[1], rows or kv.shape[2], idx.numel(),
+                        kv.shape[3], head, rotary, False, "bfloat16")
+
+
+@pytest.mark.parametrize("bad", ["index", "negative", "dst", "src", "idx", "cos", "odd",
+                                 "wide", "overlap", "heads"])
+def test_rope_gather_rejects_before_writing(bad: str) -> None:
+    kv = _bf16(2, 2, 10, 128, seed=11)
+    idx = torch.tensor([1, 3, 10 if bad == "index" else 4, -1 if bad == "negative" else 5])
+    out = torch.full((2, 2, 4, 128), 3.0, dtype=torch.bfloat16)
+    cos, sin = torch.ones(4, 32), torch.zeros(4, 32)
+    kw: dict = {"shrink": bad if bad in ("dst", "src", "idx", "cos") else ""}
+    if bad == "odd":
+        kw["rotary"] = 63
+    if bad == "wide":
+        kw["rotary"] = 66
+    if bad == "heads":
+        kw["head"] = 48
+    if bad == "overlap":
+        before = kv.clone()
+        with pytest.raises(ValueError, match="overlaps"):
+            _rope_gather(kv, kv, idx, cos, sin)
+        assert torch.equal(kv, before)
+        return
+    with pytest.raises(ValueError, match="rope_gather"):
+        _rope_gather(out, kv, idx, cos, sin, **kw)
+    assert bool((out.float() == 3.0).all())
+
+
+# ------------------------------------------------------------------ score_pool
+@pytest.mark.parametrize("how", ["max", "avg"])
+@pytest.mark.parametrize("kernel", [1, 3, 7, 15])
+@pytest.mark.parametrize("n", [0, 2, 40, 50])
+def test_pool_scores_matches_torch(how: str, kernel: int, n: int) -> None:
+    x = torch.rand(3, 5, 50, generator=torch.Generator().manual_seed(kernel + n))
+    ref = x.clone()
+    if n:
+        ref[..., :n] = pool(x[..., :n].contiguous(), kernel, how)
+    got = x.clone()
+    assert ek.pool_scores(got, n, kernel, how)
+    torch.testing.assert_close(got, ref, rtol=1e-6, atol=0)
+
+
+def test_pool_scores_rejects() -> None:
+    x = torch.rand(2, 10)
+    assert not ek.pool_scores(x.double(), 5, 3, "max")
+    assert not ek.pool_scores(x[:, ::2], 5, 3, "max")
+    assert not ek.pool_scores(x, 11, 3, "max")
+    with pytest.raises(ValueError, match="kernel must be odd"):
+        ek.pool_scores(x, 5, 4, "max")
+
+
+# ------------------------------------------------------------------ the edits, end to end
+def _torch_only(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(ek, "_native", lambda: None)
+
+
+@pytest.mark.parametrize("method", ["snapkv", "rkv", "drop_every", "key_norm"])
+def test_edits_keep_the_same_tokens_native_or_torch(method: str,
+                                                    monkeypatch: pytest.MonkeyPatch) -> None:
+    """The edit picks the same tokens and writes the same bytes either way."""
+    rope = _rope(**ROPES["llama3"])
+    kv = _bf16(2, 4, 512, 2 * 64, seed=12)
+    q = _bf16(4, 16, 8 * 64, seed=13)
+    fn = {"snapkv": lambda: edits.snapkv(q, 16, 7, ratio=0.4, rope=rope),
+          "rkv": lambda: edits.rkv(q, 8, 5, ratio=0.4, rope=rope),
+          "drop_every": lambda: edits.drop_every(3, rope=rope),
+          "key_norm": lambda: edits.key_norm(0.5, rope=rope)}[method]()
+    tokens = list(range(1000, 1512))
+    out_n, tok_n = fn(kv, tokens)
+    _torch_only(monkeypatch)
+    out_t, tok_t = fn(kv, tokens)
+    assert tok_n == tok_t
+    assert torch.equal(out_n[1], out_t[1])
+    assert torch.equal(out_n, out_t)
