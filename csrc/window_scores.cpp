@@ -2,6 +2,10 @@
 
 #include <pybind11/pybind11.h>
 
+// GCC's intrinsic headers build undefined vectors as `__Y = __Y`, which -O1 (the
+// sanitizer build) reports as maybe-uninitialized at every use: not this code's values.
+#pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
+
 #include <algorithm>
 #include <atomic>
 #include <cmath>
@@ -33,10 +37,8 @@ constexpr uint64_t kTile = 16;  // rows and columns of an AMX float32 tile
 struct Scratch {
   std::vector<uint16_t> a;    // the unit's queries, [rows_pad, head_dim]
   std::vector<uint32_t> b;    // the head's keys, packed as AMX's B operand
-  std::vector<float> logits;  // [rows_pad, tokens_pad]
+  std::vector<float> logits;  // [rows, ld]: all of the unit's rows, or AMX's 32 at a time
   std::vector<float> e;       // one row's softmax numerators
-  std::vector<uint64_t> visible;  // keys each row sees
-  std::vector<float> mx;  // each row's lane-wise running maximum (16 per row)
 };
 thread_local Scratch t_scratch;
 
@@ -153,30 +155,10 @@ LMCKV_AMX_TARGET inline void configure_tiles() {
   _tile_loadconfig(&cfg);
 }
 
-// Each row's running maximum over its visible keys, taken from C tiles just stored (hot
-// in L1), so the softmax needs no separate pass over the logits for it.
-struct MaxTracker {
-  const uint64_t* visible;  // keys row r sees (causal window; padding keys never)
-  float* mx;                // per-row lane-wise maxima, 16 per row
-
-  LMCKV_AMX_TARGET inline void update(const float* c, uint64_t ld, uint64_t r0,
-                                      uint64_t t0) const {
-    for (uint64_t i = 0; i < kTile; ++i) {
-      const uint64_t n = visible[r0 + i];
-      if (t0 >= n) continue;
-      const __mmask16 m = tail_mask(n - t0);
-      float* row = mx + (r0 + i) * 16;
-      const __m512 cur = _mm512_loadu_ps(row);
-      _mm512_storeu_ps(row, _mm512_mask_max_ps(cur, m, cur, _mm512_loadu_ps(c + i * ld)));
-    }
-  }
-};
-
 // Two row blocks of 16 (tmm4/5 and tmm6/7 hold their A tiles) against every key block:
 // head_dim 64 or less (one or two 32-element k steps).
 LMCKV_AMX_TARGET void rows_x2_small(const uint16_t* a, uint64_t hd, const uint32_t* b,
-                                    uint64_t tokens, float* lg, uint64_t ld,
-                                    const MaxTracker& mt, uint64_t r0) {
+                                    uint64_t tokens, float* lg, uint64_t ld) {
   const uint64_t nkt = hd / 32, stride = hd * 2, next = 16 * hd;
   _tile_loadd(4, a, stride);
   _tile_loadd(6, a + next, stride);
@@ -195,23 +177,15 @@ LMCKV_AMX_TARGET void rows_x2_small(const uint16_t* a, uint64_t hd, const uint32
       _tile_dpbf16ps(0, 5, 3);
       _tile_dpbf16ps(1, 7, 3);
     }
-    if (t0) {  // the previous block's tiles: their stores have drained by now
-      mt.update(lg + t0 - kTile, ld, r0, t0 - kTile);
-      mt.update(lg + 16 * ld + t0 - kTile, ld, r0 + kTile, t0 - kTile);
-    }
     _tile_stored(0, lg + t0, ld * 4);
     _tile_stored(1, lg + 16 * ld + t0, ld * 4);
   }
-  const uint64_t last = (tokens - 1) / kTile * kTile;
-  mt.update(lg + last, ld, r0, last);
-  mt.update(lg + 16 * ld + last, ld, r0 + kTile, last);
 }
 
 // One row block of 16 (tmm4 .. tmm7 hold its A tiles) against every key block: any
 // head_dim the AMX path takes (up to four k steps).
 LMCKV_AMX_TARGET void rows_x1(const uint16_t* a, uint64_t hd, const uint32_t* b,
-                              uint64_t tokens, float* lg, uint64_t ld, const MaxTracker& mt,
-                              uint64_t r0) {
+                              uint64_t tokens, float* lg, uint64_t ld) {
   const uint64_t nkt = hd / 32, stride = hd * 2;
   _tile_loadd(4, a, stride);
   if (nkt > 1) _tile_loadd(5, a + 32, stride);
@@ -233,27 +207,8 @@ LMCKV_AMX_TARGET void rows_x1(const uint16_t* a, uint64_t hd, const uint32_t* b,
       _tile_loadd(3, b + 768, 64);
       _tile_dpbf16ps(0, 7, 3);
     }
-    if (t0) mt.update(lg + t0 - kTile, ld, r0, t0 - kTile);  // stored a block ago
     _tile_stored(0, lg + t0, ld * 4);
   }
-  const uint64_t last = (tokens - 1) / kTile * kTile;
-  mt.update(lg + last, ld, r0, last);
-}
-
-// lg[r][t] = a[r] . key t for every row (rows_pad of them) and key, from packed keys;
-// each row's maximum over its visible keys into `mt`.
-LMCKV_AMX_TARGET void logits_amx(const uint16_t* a, uint64_t rows_pad, const uint32_t* b,
-                                 uint64_t tokens, uint64_t hd, float* lg, uint64_t ld,
-                                 const MaxTracker& mt) {
-  configure_tiles();
-  uint64_t rb = 0;
-  if (hd <= 64) {
-    for (; rb + 2 * kTile <= rows_pad; rb += 2 * kTile) {
-      rows_x2_small(a + rb * hd, hd, b, tokens, lg + rb * ld, ld, mt, rb);
-    }
-  }
-  for (; rb < rows_pad; rb += kTile) rows_x1(a + rb * hd, hd, b, tokens, lg + rb * ld, ld, mt, rb);
-  _tile_release();
 }
 
 // ------------------------------------------------------------------ softmax, AVX-512
@@ -273,22 +228,61 @@ LMCKV_AMX_TARGET inline __m512 exp2_512(__m512 z) {
   return _mm512_scalef_ps(p, n);
 }
 
+LMCKV_AMX_TARGET inline __m512 exp_term(const float* x, __m512 a, __m512 b) {
+  return exp2_512(_mm512_fmadd_ps(_mm512_loadu_ps(x), a, b));
+}
+
+// max(x[0 .. n)): four independent maxima, a mask only at the end.
+LMCKV_AMX_TARGET inline float row_max(const float* x, uint64_t n) {
+  const __m512 lo = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
+  __m512 m0 = lo, m1 = lo, m2 = lo, m3 = lo;
+  const uint64_t n64 = n / 64 * 64;
+  uint64_t t = 0;
+  for (; t < n64; t += 64) {
+    m0 = _mm512_max_ps(m0, _mm512_loadu_ps(x + t));
+    m1 = _mm512_max_ps(m1, _mm512_loadu_ps(x + t + 16));
+    m2 = _mm512_max_ps(m2, _mm512_loadu_ps(x + t + 32));
+    m3 = _mm512_max_ps(m3, _mm512_loadu_ps(x + t + 48));
+  }
+  for (; t < n; t += 16) m0 = _mm512_mask_max_ps(m0, tail_mask(n - t), m0, _mm512_loadu_ps(x + t));
+  return _mm512_reduce_max_ps(_mm512_max_ps(_mm512_max_ps(m0, m1), _mm512_max_ps(m2, m3)));
+}
+
 // e[t] = exp(scale * (x[t] - mx)) for t < n (mx: x's maximum over them), then
-// out[t] += e[t] / sum(e): row x's softmax over its first n keys, added to out.
+// out[t] += e[t] / sum(e): row x's softmax over its first n keys, added to out. Four
+// independent sums (an add's latency would otherwise bound the loop); masks only at the
+// end.
 LMCKV_AMX_TARGET void softmax_add_avx512(const float* x, uint64_t n, float scale, float mx,
                                          float* e, float* out) {
   constexpr double kLog2e = 1.4426950408889634;
   const __m512 a = _mm512_set1_ps(static_cast<float>(scale * kLog2e));
   const __m512 b = _mm512_set1_ps(static_cast<float>(-mx * scale * kLog2e));
-  __m512 vs = _mm512_setzero_ps();
-  for (uint64_t t = 0; t < n; t += 16) {
-    const __mmask16 m = tail_mask(n - t);
-    const __m512 v = _mm512_maskz_mov_ps(m, exp2_512(_mm512_fmadd_ps(_mm512_loadu_ps(x + t), a, b)));
-    vs = _mm512_add_ps(vs, v);
-    _mm512_storeu_ps(e + t, v);  // e has room for whole vectors
+  __m512 s0 = _mm512_setzero_ps(), s1 = s0, s2 = s0, s3 = s0;
+  const uint64_t n64 = n / 64 * 64, n16 = n / 16 * 16;
+  uint64_t t = 0;
+  for (; t < n64; t += 64) {
+    const __m512 v0 = exp_term(x + t, a, b), v1 = exp_term(x + t + 16, a, b);
+    const __m512 v2 = exp_term(x + t + 32, a, b), v3 = exp_term(x + t + 48, a, b);
+    s0 = _mm512_add_ps(s0, v0);
+    s1 = _mm512_add_ps(s1, v1);
+    s2 = _mm512_add_ps(s2, v2);
+    s3 = _mm512_add_ps(s3, v3);
+    _mm512_storeu_ps(e + t, v0);
+    _mm512_storeu_ps(e + t + 16, v1);
+    _mm512_storeu_ps(e + t + 32, v2);
+    _mm512_storeu_ps(e + t + 48, v3);
   }
-  const __m512 inv = _mm512_set1_ps(1.0f / _mm512_reduce_add_ps(vs));
-  for (uint64_t t = 0; t < n; t += 16) {
+  for (; t < n; t += 16) {  // e has room for whole vectors
+    const __m512 v = _mm512_maskz_mov_ps(tail_mask(n - t), exp_term(x + t, a, b));
+    s0 = _mm512_add_ps(s0, v);
+    _mm512_storeu_ps(e + t, v);
+  }
+  const __m512 sum = _mm512_add_ps(_mm512_add_ps(s0, s1), _mm512_add_ps(s2, s3));
+  const __m512 inv = _mm512_set1_ps(1.0f / _mm512_reduce_add_ps(sum));
+  for (t = 0; t < n16; t += 16) {
+    _mm512_storeu_ps(out + t, _mm512_fmadd_ps(_mm512_loadu_ps(e + t), inv, _mm512_loadu_ps(out + t)));
+  }
+  if (t < n) {
     const __mmask16 m = tail_mask(n - t);
     const __m512 o = _mm512_fmadd_ps(_mm512_loadu_ps(e + t), inv, _mm512_maskz_loadu_ps(m, out + t));
     _mm512_mask_storeu_ps(out + t, m, o);
@@ -311,26 +305,34 @@ void softmax_add_generic(float* x, uint64_t n, float scale, float* out) {
 }
 
 #ifdef LMCKV_AMX
-// The AMX path of one unit: logits (with row maxima), softmax numerators, then each
-// query head's sum over its `w` window rows into out [group][T].
+// The AMX path of one unit: 32 (or 16) rows at a time, their logits, then each row's
+// softmax added to its query head's out row [T] while the logits are still in L2.
 template <typename Visible>
 LMCKV_AMX_TARGET void scores_amx(Scratch& s, const uint16_t* k, uint64_t k_row, uint64_t T,
                                  uint64_t hd, uint64_t rows, uint64_t rows_pad, uint64_t ld,
                                  uint64_t w, float scale, const Visible& visible, float* out) {
   s.b.resize(ld * hd / 2);
-  s.visible.assign(rows_pad, 0);
-  s.mx.assign(rows_pad * 16, -std::numeric_limits<float>::infinity());
-  for (uint64_t r = 0; r < rows; ++r) s.visible[r] = visible(r);
-  float* lg = s.logits.data();
-  pack_keys(s.b.data(), k, k_row, T, hd);
-  logits_amx(s.a.data(), rows_pad, s.b.data(), T, hd, lg, ld,
-             MaxTracker{s.visible.data(), s.mx.data()});
+  s.logits.resize(2 * kTile * ld);
   s.e.resize(ld);  // one row's exp terms, L1-sized: each row is added while it is hot
+  pack_keys(s.b.data(), k, k_row, T, hd);
   std::fill(out, out + rows / w * T, 0.0f);
-  for (uint64_t r = 0; r < rows; ++r) {
-    const float mx = _mm512_reduce_max_ps(_mm512_loadu_ps(s.mx.data() + r * 16));
-    softmax_add_avx512(lg + r * ld, s.visible[r], scale, mx, s.e.data(), out + (r / w) * T);
+  configure_tiles();
+  for (uint64_t rb = 0; rb < rows_pad;) {
+    const uint64_t step = hd <= 64 && rb + 2 * kTile <= rows_pad ? 2 * kTile : kTile;
+    float* lg = s.logits.data();  // row rb + i of the chunk at lg + i * ld
+    if (step == 2 * kTile) {
+      rows_x2_small(s.a.data() + rb * hd, hd, s.b.data(), T, lg, ld);
+    } else {
+      rows_x1(s.a.data() + rb * hd, hd, s.b.data(), T, lg, ld);
+    }
+    for (uint64_t r = rb; r < std::min(rb + step, rows); ++r) {
+      const float* x = lg + (r - rb) * ld;
+      const uint64_t n = visible(r);
+      softmax_add_avx512(x, n, scale, row_max(x, n), s.e.data(), out + (r / w) * T);
+    }
+    rb += step;
   }
+  _tile_release();
 }
 #endif
 
@@ -376,14 +378,12 @@ void WindowScoresPlan::run_unit(uint64_t unit, bool amx) const {
   const uint64_t ld = round_up(T, kTile) + kTile;
   Scratch& s = t_scratch;
   s.a.assign(rows_pad * hd, 0);
-  if (s.logits.size() < rows_pad * ld) s.logits.resize(rows_pad * ld);
   for (uint64_t r = 0; r < rows; ++r) {  // row r: query head h*group + r / w, query r % w
     const uint64_t head = h * a_.group + r / w, pos = a_.tq - w + r % w;
     std::memcpy(s.a.data() + r * hd, q_ + ((l * a_.tq + pos) * hq + head) * hd, hd * 2);
   }
   const uint16_t* k = k_ + l * T * a_.n_kv * hd + h * hd;
   float* out = out_ + (l * hq + h * a_.group) * T;
-  float* lg = s.logits.data();
   auto visible = [&](uint64_t r) { return a_.at_end ? T - w + r % w + 1 : T; };
 #ifdef LMCKV_AMX
   if (amx) {
@@ -391,6 +391,8 @@ void WindowScoresPlan::run_unit(uint64_t unit, bool amx) const {
     return;
   }
 #endif
+  s.logits.resize(rows * ld);
+  float* lg = s.logits.data();
   logits_generic(s.a.data(), rows, k, a_.n_kv * hd, T, hd, lg, ld);
   std::fill(out, out + a_.group * T, 0.0f);
   for (uint64_t r = 0; r < rows; ++r) {

@@ -163,6 +163,50 @@ def index_rows(dst: int, dst_nbytes: int, dst_offset: int, src: int, src_nbytes:
             buffers, or another itemsize (before any byte moves).
     """
 
+Span = tuple[int, int, int]  # (buffer address, buffer bytes, view offset)
+
+def rope_gather(dst: Span, src: Span, idx: Span, cos: Span, sin: Span, planes: int,
+                layers: int, rows: int, n: int, width: int, head_dim: int, rotary_dim: int,
+                interleaved: bool, dtype: str) -> None:
+    """``dst[p][l][j] = src[p][l][idx[j]]``, plane 0's rotary pairs turned by cos/sin[j].
+
+    ``src`` ``[planes, layers, rows, width]`` and ``dst`` ``[planes, layers, n, width]`` of
+    ``dtype`` ("bfloat16" / "float32"), ``idx`` int64 ``[n]``, ``cos`` / ``sin`` float32
+    ``[n, rotary_dim / 2]``; ``rotary_dim`` 0 is a plain gather. Bit-identical to
+    ``edits.rerotate``'s torch code. On the copy pool without the GIL.
+
+    Raises:
+        ValueError: An index outside ``[0, rows)``, a span outside its buffer, the
+            destination overlapping an input, an odd or too wide ``rotary_dim`` (before
+            any byte moves).
+    """
+
+def window_scores(q: Span, k: Span, out: Span, layers: int, tokens: int, tq: int,
+                  n_kv: int, group: int, head_dim: int, window: int, at_end: bool,
+                  scale: float) -> None:
+    """SnapKV's window attention, summed over the window: float32 ``out [L, Hq, T]``.
+
+    From bfloat16 ``q [L, tq, Hq * head_dim]`` (its last ``window`` rows) and ``k [L, T,
+    n_kv * head_dim]``; ``Hq = n_kv * group``. AMX tiles where the CPU has them.
+
+    Raises:
+        ValueError: A window outside ``1 .. tq`` (or past T when ``at_end``), a scale not
+            > 0, a span outside its buffer, ``out`` overlapping an input.
+    """
+
+def score_pool(buf: Span, rows: int, n: int, ld: int, kernel: int, is_max: bool) -> None:
+    """Max- or mean-pool the first ``n`` of each float32 row (``ld`` apart) in place.
+
+    Raises:
+        ValueError: An even kernel, ``n > ld``, a span outside its buffer.
+    """
+
+def window_scores_isa() -> str:
+    """``"amx"`` or ``"generic"``: the path :func:`window_scores` takes here."""
+
+def _set_window_scores_isa(name: str) -> None:
+    """Force ``"amx"`` / ``"generic"`` or back to ``"auto"`` (tests; ValueError otherwise)."""
+
 def set_threads(n: int) -> None:
     """Copy threads including the caller, 1..MAX_THREADS (ValueError otherwise)."""
 
