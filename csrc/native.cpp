@@ -25,6 +25,7 @@
 #include "result_buffer.hpp"
 #include "shm_mapping.hpp"
 #include "index_rows.hpp"
+#include "key_redundancy.hpp"
 #include "rope_gather.hpp"
 #include "score_pool.hpp"
 #include "window_scores.hpp"
@@ -153,6 +154,28 @@ void bind_edit_kernels(py::module_& m) {
       "buf"_a, "rows"_a, "n"_a, "ld"_a, "kernel"_a, "is_max"_a,
       "Pool the first n of each of `rows` float32 rows (ld apart) in place: max or mean "
       "within kernel // 2 (ValueError before any work).");
+  m.def(
+      "key_redundancy",
+      [](py::handle k, py::handle out, py::handle layers, py::handle tokens, py::handle n_kv,
+         py::handle head_dim, float threshold) {
+        KeyRedundancyArgs a;
+        a.k = span_arg(k, "k");
+        a.out = span_arg(out, "out");
+        a.layers = field(layers, "layers");
+        a.tokens = field(tokens, "tokens");
+        a.n_kv = field(n_kv, "n_kv");
+        a.head_dim = field(head_dim, "head_dim");
+        a.threshold = threshold;
+        const KeyRedundancyPlan plan(a);
+        py::gil_scoped_release nogil;
+        plan.execute();
+      },
+      "k"_a, "out"_a, "layers"_a, "tokens"_a, "n_kv"_a, "head_dim"_a, "threshold"_a,
+      "R-KV's redundancy sums: out [L, n_kv, T] float32 from bf16 k [L, T, n_kv*hd] "
+      "(ValueError before any work; AMX only, see key_redundancy_supported).");
+  m.def("key_redundancy_supported", [](py::handle head_dim) {
+    return KeyRedundancyPlan::supported(field(head_dim, "head_dim"));
+  }, "head_dim"_a);
   m.def("window_scores_isa", &window_scores_isa);
   m.def("_set_window_scores_isa", &set_window_scores_isa, "name"_a);
 }

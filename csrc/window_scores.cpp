@@ -13,16 +13,10 @@
 #include <limits>
 #include <vector>
 
+#include "amx_tiles.hpp"
 #include "common.hpp"
 #include "thread_pool.hpp"
 
-#if defined(__x86_64__)
-#include <cpuid.h>
-#include <immintrin.h>
-#include <sys/syscall.h>
-#include <unistd.h>
-#define LMCKV_AMX 1
-#endif
 
 namespace lmckv {
 
@@ -31,7 +25,7 @@ namespace py = pybind11;
 namespace {
 
 constexpr const char* kWhat = "window_scores";
-constexpr uint64_t kTile = 16;  // rows and columns of an AMX float32 tile
+using amx::kTile;
 
 // Per-thread scratch, reused across tasks and calls.
 struct Scratch {
@@ -47,29 +41,11 @@ uint64_t round_up(uint64_t v, uint64_t m) { return (v + m - 1) / m * m; }
 // ------------------------------------------------------------------ ISA selection
 std::atomic<int> g_forced{-1};  // -1 auto, 0 generic, 1 amx
 
-bool amx_available() {
-#ifdef LMCKV_AMX
-  static const bool ok = [] {
-    unsigned a = 0, b = 0, c = 0, d = 0;
-    if (!__get_cpuid_count(7, 0, &a, &b, &c, &d)) return false;
-    const bool amx = (d >> 22 & 1u) && (d >> 24 & 1u);  // AMX-BF16, AMX-TILE
-    if (!amx || !__builtin_cpu_supports("avx512f") || !__builtin_cpu_supports("avx512bw")) {
-      return false;
-    }
-    constexpr long kReqXcompPerm = 0x1023, kXtileData = 18;
-    return syscall(SYS_arch_prctl, kReqXcompPerm, kXtileData) == 0;
-  }();
-  return ok;
-#else
-  return false;
-#endif
-}
-
 bool use_amx(uint64_t head_dim) {
   const int forced = g_forced.load(std::memory_order_relaxed);
   const bool fits = head_dim % 32 == 0 && head_dim <= 128;
   if (forced == 0 || !fits) return false;
-  return amx_available();
+  return amx::available();
 }
 
 // ------------------------------------------------------------------ logits, portable
@@ -88,128 +64,8 @@ void logits_generic(const uint16_t* a, uint64_t rows, const uint16_t* k, uint64_
   }
 }
 
-// ------------------------------------------------------------------ logits, AMX
 #ifdef LMCKV_AMX
-struct TileConfig {
-  uint8_t palette = 1, start_row = 0, reserved[14] = {};
-  uint16_t colsb[16] = {};
-  uint8_t rows[16] = {};
-};
-
-#define LMCKV_AMX_TARGET __attribute__((target("amx-tile,amx-bf16,avx512f,avx512bw")))
-
-LMCKV_AMX_TARGET inline __mmask16 tail_mask(uint64_t left) {
-  return left >= 16 ? static_cast<__mmask16>(0xffff) : static_cast<__mmask16>((1u << left) - 1);
-}
-
-// In-register transpose of a 16 x 16 matrix of 32-bit words: r[j][c] -> r[c][j].
-LMCKV_AMX_TARGET inline void transpose16(__m512i r[16]) {
-  __m512i t[16], u[16];
-  for (int i = 0; i < 8; ++i) {
-    t[2 * i] = _mm512_unpacklo_epi32(r[2 * i], r[2 * i + 1]);
-    t[2 * i + 1] = _mm512_unpackhi_epi32(r[2 * i], r[2 * i + 1]);
-  }
-  for (int g = 0; g < 4; ++g) {  // u[4g + m], lane L: column 4L + m of rows 4g .. 4g + 3
-    u[4 * g] = _mm512_unpacklo_epi64(t[4 * g], t[4 * g + 2]);
-    u[4 * g + 1] = _mm512_unpackhi_epi64(t[4 * g], t[4 * g + 2]);
-    u[4 * g + 2] = _mm512_unpacklo_epi64(t[4 * g + 1], t[4 * g + 3]);
-    u[4 * g + 3] = _mm512_unpackhi_epi64(t[4 * g + 1], t[4 * g + 3]);
-  }
-  for (int m = 0; m < 4; ++m) {  // a 4 x 4 transpose of 128-bit lanes
-    const __m512i v0 = _mm512_shuffle_i32x4(u[m], u[4 + m], 0x44);
-    const __m512i v1 = _mm512_shuffle_i32x4(u[m], u[4 + m], 0xEE);
-    const __m512i v2 = _mm512_shuffle_i32x4(u[8 + m], u[12 + m], 0x44);
-    const __m512i v3 = _mm512_shuffle_i32x4(u[8 + m], u[12 + m], 0xEE);
-    r[m] = _mm512_shuffle_i32x4(v0, v2, 0x88);
-    r[4 + m] = _mm512_shuffle_i32x4(v0, v2, 0xDD);
-    r[8 + m] = _mm512_shuffle_i32x4(v1, v3, 0x88);
-    r[12 + m] = _mm512_shuffle_i32x4(v1, v3, 0xDD);
-  }
-}
-
-// One head's keys as AMX B tiles, block by block of 16 keys: in block kb, tile kt, word
-// (pair p, key j) holds dims kt*32 + 2p, +1 of key kb*16 + j (zero past `tokens`).
-LMCKV_AMX_TARGET void pack_keys(uint32_t* b, const uint16_t* k, uint64_t k_row,
-                                uint64_t tokens, uint64_t hd) {
-  const uint64_t nkt = hd / 32;
-  for (uint64_t t0 = 0; t0 < tokens; t0 += kTile) {
-    const uint64_t n = std::min(kTile, tokens - t0);
-    for (uint64_t kt = 0; kt < nkt; ++kt, b += kTile * kTile) {
-      __m512i r[16];
-      for (uint64_t j = 0; j < kTile; ++j) {
-        r[j] = j < n ? _mm512_loadu_si512(k + (t0 + j) * k_row + kt * 32) : _mm512_setzero_si512();
-      }
-      transpose16(r);
-      for (uint64_t p = 0; p < kTile; ++p) _mm512_storeu_si512(b + p * kTile, r[p]);
-    }
-  }
-}
-
-// The tile shapes: every tile 16 rows of 64 bytes (16 float32 or 32 bfloat16 columns).
-LMCKV_AMX_TARGET inline void configure_tiles() {
-  TileConfig cfg;
-  for (int i = 0; i < 8; ++i) {
-    cfg.rows[i] = kTile;
-    cfg.colsb[i] = 64;
-  }
-  _tile_loadconfig(&cfg);
-}
-
-// Two row blocks of 16 (tmm4/5 and tmm6/7 hold their A tiles) against every key block:
-// head_dim 64 or less (one or two 32-element k steps).
-LMCKV_AMX_TARGET void rows_x2_small(const uint16_t* a, uint64_t hd, const uint32_t* b,
-                                    uint64_t tokens, float* lg, uint64_t ld) {
-  const uint64_t nkt = hd / 32, stride = hd * 2, next = 16 * hd;
-  _tile_loadd(4, a, stride);
-  _tile_loadd(6, a + next, stride);
-  if (nkt > 1) {
-    _tile_loadd(5, a + 32, stride);
-    _tile_loadd(7, a + next + 32, stride);
-  }
-  for (uint64_t t0 = 0; t0 < tokens; t0 += kTile, b += nkt * kTile * kTile) {
-    _tile_zero(0);
-    _tile_zero(1);
-    _tile_loadd(2, b, 64);
-    _tile_dpbf16ps(0, 4, 2);
-    _tile_dpbf16ps(1, 6, 2);
-    if (nkt > 1) {
-      _tile_loadd(3, b + 256, 64);
-      _tile_dpbf16ps(0, 5, 3);
-      _tile_dpbf16ps(1, 7, 3);
-    }
-    _tile_stored(0, lg + t0, ld * 4);
-    _tile_stored(1, lg + 16 * ld + t0, ld * 4);
-  }
-}
-
-// One row block of 16 (tmm4 .. tmm7 hold its A tiles) against every key block: any
-// head_dim the AMX path takes (up to four k steps).
-LMCKV_AMX_TARGET void rows_x1(const uint16_t* a, uint64_t hd, const uint32_t* b,
-                              uint64_t tokens, float* lg, uint64_t ld) {
-  const uint64_t nkt = hd / 32, stride = hd * 2;
-  _tile_loadd(4, a, stride);
-  if (nkt > 1) _tile_loadd(5, a + 32, stride);
-  if (nkt > 2) _tile_loadd(6, a + 64, stride);
-  if (nkt > 3) _tile_loadd(7, a + 96, stride);
-  for (uint64_t t0 = 0; t0 < tokens; t0 += kTile, b += nkt * kTile * kTile) {
-    _tile_zero(0);
-    _tile_loadd(2, b, 64);
-    _tile_dpbf16ps(0, 4, 2);
-    if (nkt > 1) {
-      _tile_loadd(3, b + 256, 64);
-      _tile_dpbf16ps(0, 5, 3);
-    }
-    if (nkt > 2) {
-      _tile_loadd(2, b + 512, 64);
-      _tile_dpbf16ps(0, 6, 2);
-    }
-    if (nkt > 3) {
-      _tile_loadd(3, b + 768, 64);
-      _tile_dpbf16ps(0, 7, 3);
-    }
-    _tile_stored(0, lg + t0, ld * 4);
-  }
-}
+using amx::tail_mask;
 
 // ------------------------------------------------------------------ softmax, AVX-512
 // 2^z for z <= 0: 2^round(z) times a degree-7 polynomial of the rest (|f| <= 1/2,
@@ -314,17 +170,13 @@ LMCKV_AMX_TARGET void scores_amx(Scratch& s, const uint16_t* k, uint64_t k_row, 
   s.b.resize(ld * hd / 2);
   s.logits.resize(2 * kTile * ld);
   s.e.resize(ld);  // one row's exp terms, L1-sized: each row is added while it is hot
-  pack_keys(s.b.data(), k, k_row, T, hd);
+  amx::pack_keys(s.b.data(), k, k_row, T, hd);
   std::fill(out, out + rows / w * T, 0.0f);
-  configure_tiles();
+  amx::configure_tiles();
   for (uint64_t rb = 0; rb < rows_pad;) {
-    const uint64_t step = hd <= 64 && rb + 2 * kTile <= rows_pad ? 2 * kTile : kTile;
+    const uint64_t step = rb + 2 * kTile <= rows_pad ? 2 * kTile : kTile;
     float* lg = s.logits.data();  // row rb + i of the chunk at lg + i * ld
-    if (step == 2 * kTile) {
-      rows_x2_small(s.a.data() + rb * hd, hd, s.b.data(), T, lg, ld);
-    } else {
-      rows_x1(s.a.data() + rb * hd, hd, s.b.data(), T, lg, ld);
-    }
+    amx::dot_rows(s.a.data() + rb * hd, step, hd, s.b.data(), T, lg, ld);
     for (uint64_t r = rb; r < std::min(rb + step, rows); ++r) {
       const float* x = lg + (r - rb) * ld;
       const uint64_t n = visible(r);
@@ -332,7 +184,7 @@ LMCKV_AMX_TARGET void scores_amx(Scratch& s, const uint16_t* k, uint64_t k_row, 
     }
     rb += step;
   }
-  _tile_release();
+  amx::release_tiles();
 }
 #endif
 
@@ -416,7 +268,7 @@ void WindowScoresPlan::execute() const {
 std::string window_scores_isa() {
   const int forced = g_forced.load();
   if (forced == 0) return "generic";
-  return amx_available() ? "amx" : "generic";
+  return amx::available() ? "amx" : "generic";
 }
 
 void set_window_scores_isa(const std::string& name) {
@@ -425,7 +277,7 @@ void set_window_scores_isa(const std::string& name) {
   } else if (name == "generic") {
     g_forced.store(0);
   } else if (name == "amx") {
-    if (!amx_available()) fail("this CPU or OS cannot run AMX tiles (no AMX-BF16 or no permission)");
+    if (!amx::available()) fail("this CPU or OS cannot run AMX tiles (no AMX-BF16 or no permission)");
     g_forced.store(1);
   } else {
     fail("isa must be 'auto', 'amx' or 'generic', got '" + name + "'");

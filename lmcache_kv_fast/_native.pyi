@@ -201,6 +201,21 @@ def score_pool(buf: Span, rows: int, n: int, ld: int, kernel: int, is_max: bool)
         ValueError: An even kernel, ``n > ld``, a span outside its buffer.
     """
 
+def key_redundancy(k: Span, out: Span, layers: int, tokens: int, n_kv: int, head_dim: int,
+                   threshold: float) -> None:
+    """R-KV's redundancy sums: float32 ``out [L, n_kv, T]`` from bfloat16 ``k``.
+
+    ``out[l][h][i]`` sums ``cos(k_i, k_j)`` over the head's other keys with a cosine
+    above ``threshold``. AMX only (:func:`key_redundancy_supported`).
+
+    Raises:
+        ValueError: No AMX or an unsupported head size, a span outside its buffer,
+            ``out`` overlapping ``k`` (before any work).
+    """
+
+def key_redundancy_supported(head_dim: int) -> bool:
+    """Whether :func:`key_redundancy` runs here for this head size."""
+
 def window_scores_isa() -> str:
     """``"amx"`` or ``"generic"``: the path :func:`window_scores` takes here."""
 

@@ -16,7 +16,8 @@ import torch
 
 from lmcache_kv_fast.copy.select import backend
 
-__all__ = ["Rotation", "gather_tokens", "pool_scores", "window_scores", "window_scores_isa"]
+__all__ = ["Rotation", "gather_tokens", "key_redundancy", "pool_scores", "window_scores",
+           "window_scores_isa"]
 
 _KV_DTYPES = {torch.bfloat16: "bfloat16", torch.float32: "float32"}
 
@@ -135,6 +136,33 @@ def pool_scores(x: torch.Tensor, n: int, kernel: int, how: str) -> bool:
     native.score_pool(_span(x), rows, n, x.shape[-1], kernel,  # type: ignore[attr-defined]
                       how == "max")
     return True
+
+
+def key_redundancy(k: torch.Tensor, head_dim: int, threshold: float) -> torch.Tensor | None:
+    """R-KV's redundancy sums ``[L, Hkv, T]`` float32 (AMX only); or None.
+
+    ``out[l, h, i]`` = the sum of ``cos(k_i, k_j)`` over the other keys ``j`` of head
+    ``h`` whose cosine exceeds ``threshold``; the caller takes the mean and the softmax.
+
+    Args:
+        k: bfloat16 ``[L, T, Hkv * head_dim]``, contiguous (plane 0 of the KV).
+        head_dim: Elements per head.
+        threshold: Cosines at or below it do not count.
+
+    Returns:
+        The sums, or None when the core cannot run this call (no AMX, head size, dtype).
+    """
+    native = _native()
+    if native is None or k.dtype != torch.bfloat16 or k.dim() != 3 or not _dense(k) or \
+            head_dim <= 0 or k.shape[2] % head_dim or \
+            window_scores_isa() != "amx" or \
+            not native.key_redundancy_supported(head_dim):  # type: ignore[attr-defined]
+        return None
+    layers, count, n_kv = k.shape[0], k.shape[1], k.shape[2] // head_dim
+    out = backend().alloc_result((layers, n_kv, count), torch.float32)
+    native.key_redundancy(_span(k), _span(out), layers, count, n_kv,  # type: ignore[attr-defined]
+                          head_dim, float(threshold))
+    return out
 
 
 def window_scores_isa() -> str:

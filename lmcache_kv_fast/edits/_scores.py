@@ -14,7 +14,7 @@ from collections.abc import Sequence
 import torch
 import torch.nn.functional as F
 
-from lmcache_kv_fast.copy.edit_kernels import window_scores
+from lmcache_kv_fast.copy.edit_kernels import key_redundancy, window_scores
 from lmcache_kv_fast.edits._inputs import heads
 from lmcache_kv_fast.errors import InvalidArgumentError
 
@@ -185,9 +185,14 @@ def redundancy(k: torch.Tensor, head_dim: int, threshold: float) -> torch.Tensor
     similarity is symmetric: it is computed in strips of :data:`_RED_BLOCK` rows against
     the keys from the strip on (half the products of the full ``[T, T]`` matrix), each
     strip adding its row sums to its own keys and its column sums to the later ones; no
-    ``[H, T, T]`` matrix is ever held.
+    ``[H, T, T]`` matrix is ever held. Where the core has AMX, the sums come from
+    :func:`~lmcache_kv_fast.copy.edit_kernels.key_redundancy` (the same values to float32
+    rounding).
     """
     layers, count = k.shape[0], k.shape[1]
+    native = key_redundancy(k, head_dim, threshold)
+    if native is not None:
+        return torch.softmax(native.div_(count), dim=-1)
     out = torch.empty(layers, k.shape[-1] // head_dim if head_dim > 0 else 0, count)
     raw: torch.Tensor | None = None  # one float32 buffer, reused per layer
     for layer in range(layers):

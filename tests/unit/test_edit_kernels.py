@@ -236,3 +236,51 @@ def test_edits_keep_the_same_tokens_native_or_torch(method: str,
     assert tok_n == tok_t
     assert torch.equal(out_n[1], out_t[1])
     assert torch.equal(out_n, out_t)
+
+
+# ------------------------------------------------------------------ key_redundancy
+def _torch_redundancy(k: torch.Tensor, hd: int, thr: float,
+                      monkeypatch: pytest.MonkeyPatch) -> torch.Tensor:
+    from lmcache_kv_fast.edits import _scores
+
+    with monkeypatch.context() as m:
+        m.setattr(_scores, "key_redundancy", lambda *a, **kw: None)
+        return _scores.redundancy(k, hd, thr)
+
+
+@pytest.mark.parametrize("case", [(2, 37, 2, 64, 0.5), (3, 300, 2, 128, 0.1),
+                                  (1, 17, 1, 32, -0.2), (2, 64, 4, 96, 0.3), (1, 1, 1, 64, 0.5)],
+                         ids=lambda c: "x".join(map(str, c)))
+def test_key_redundancy_matches_torch(case: tuple, monkeypatch: pytest.MonkeyPatch) -> None:
+    from lmcache_kv_fast.edits._scores import redundancy
+
+    layers, count, n_kv, hd, thr = case
+    gen = torch.Generator().manual_seed(count)
+    k = torch.randn(layers, count, n_kv * hd, generator=gen)
+    k[..., :hd] += 2 * torch.randn(1, 1, hd, generator=gen)  # near-duplicates in head 0
+    k = k.to(torch.bfloat16)
+    sums = ek.key_redundancy(k, hd, thr)
+    if ek.window_scores_isa() != "amx":
+        assert sums is None  # the torch code runs instead
+        return
+    assert sums is not None and sums.shape == (layers, n_kv, count)
+    ref = _torch_redundancy(k, hd, thr, monkeypatch)
+    torch.testing.assert_close(redundancy(k, hd, thr), ref, rtol=2e-6, atol=1e-9)
+
+
+def test_key_redundancy_declines_and_rejects() -> None:
+    k = _bf16(1, 20, 128, seed=14)
+    assert ek.key_redundancy(k.float(), 64, 0.5) is None
+    assert ek.key_redundancy(k, 48, 0.5) is None  # no AMX shape for it
+    assert ek.key_redundancy(k[:, ::2], 64, 0.5) is None
+    if ek.window_scores_isa() != "amx":
+        return
+    out = torch.full((1, 2, 20), 5.0)
+    k_span, o_span = ek._span(k), ek._span(out)
+    with pytest.raises(ValueError, match="key_redundancy: k needs bytes"):
+        _native.key_redundancy((k_span[0], k_span[1] - 2, 0), o_span, 1, 20, 2, 64, 0.5)
+    with pytest.raises(ValueError, match="key_redundancy: out needs bytes"):
+        _native.key_redundancy(k_span, (o_span[0], o_span[1] - 4, 0), 1, 20, 2, 64, 0.5)
+    with pytest.raises(ValueError, match="head_dim"):
+        _native.key_redundancy(k_span, o_span, 1, 20, 2, 48, 0.5)
+    assert bool((out == 5.0).all())

@@ -1,0 +1,42 @@
+// R-KV's key redundancy: how much each key duplicates the other keys of its head.
+//
+// out[l][h][i] = the sum over keys j != i of layer l's KV head h of cos(k_i, k_j), counting
+// only the pairs with cos > threshold (torch's F.threshold), float32 from bfloat16 keys
+// [L, T, n_kv * head_dim]. The dot products run on AMX tiles (bf16 products exact in
+// float32), divided by both keys' norms (norms below 1e-12 count as 1e-12, as
+// F.normalize); the caller takes the mean and the softmax over tokens. AMX only:
+// supported() says whether this machine and head size can run it.
+//
+// Planning validates shapes and spans (ValueError, GIL held); execution runs one task per
+// (layer, KV head) on the copy pool WITHOUT the GIL.
+#pragma once
+
+#include <cstdint>
+
+#include "edit_common.hpp"
+
+namespace lmckv {
+
+struct KeyRedundancyArgs {
+  Span k, out;  // k: bf16 [L, T, n_kv * head_dim]; out: f32 [L, n_kv, T]
+  uint64_t layers = 0, tokens = 0, n_kv = 0, head_dim = 0;
+  float threshold = 0.5f;
+};
+
+class KeyRedundancyPlan {
+ public:
+  explicit KeyRedundancyPlan(const KeyRedundancyArgs& a);  // validates (ValueError)
+  void execute() const;                                    // without the GIL
+
+  // Whether this CPU runs the kernel for keys of `head_dim` elements.
+  static bool supported(uint64_t head_dim);
+
+ private:
+  void run_unit(uint64_t unit) const;
+
+  KeyRedundancyArgs a_;
+  const uint16_t* k_ = nullptr;
+  float* out_ = nullptr;
+};
+
+}  // namespace lmckv
