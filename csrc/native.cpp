@@ -26,6 +26,7 @@
 #include "shm_mapping.hpp"
 #include "index_rows.hpp"
 #include "key_redundancy.hpp"
+#include "key_scores.hpp"
 #include "rope_gather.hpp"
 #include "score_pool.hpp"
 #include "window_scores.hpp"
@@ -176,6 +177,25 @@ void bind_edit_kernels(py::module_& m) {
   m.def("key_redundancy_supported", [](py::handle head_dim) {
     return KeyRedundancyPlan::supported(field(head_dim, "head_dim"));
   }, "head_dim"_a);
+  m.def(
+      "key_scores",
+      [](py::handle k, py::handle out, py::handle layers, py::handle tokens, py::handle n_kv,
+         py::handle head_dim, bool keydiff) {
+        KeyScoresArgs a;
+        a.k = span_arg(k, "k");
+        a.out = span_arg(out, "out");
+        a.layers = field(layers, "layers");
+        a.tokens = field(tokens, "tokens");
+        a.n_kv = field(n_kv, "n_kv");
+        a.head_dim = field(head_dim, "head_dim");
+        a.keydiff = keydiff;
+        const KeyScoresPlan plan(a);
+        py::gil_scoped_release nogil;
+        plan.execute();
+      },
+      "k"_a, "out"_a, "layers"_a, "tokens"_a, "n_kv"_a, "head_dim"_a, "keydiff"_a,
+      "KeyDiff (keydiff=True) or L2 scores out [L, n_kv, T] float32 from bf16 k [L, T, "
+      "n_kv*hd] (ValueError before any work).");
   m.def("window_scores_isa", &window_scores_isa);
   m.def("_set_window_scores_isa", &set_window_scores_isa, "name"_a);
 }

@@ -201,6 +201,14 @@ def score_pool(buf: Span, rows: int, n: int, ld: int, kernel: int, is_max: bool)
         ValueError: An even kernel, ``n > ld``, a span outside its buffer.
     """
 
+def key_scores(k: Span, out: Span, layers: int, tokens: int, n_kv: int, head_dim: int,
+               keydiff: bool) -> None:
+    """KeyDiff (``keydiff``) or L2 scores: float32 ``out [L, n_kv, T]`` from bfloat16 ``k``.
+
+    Raises:
+        ValueError: A span outside its buffer, ``out`` overlapping ``k``, no heads.
+    """
+
 def key_redundancy(k: Span, out: Span, layers: int, tokens: int, n_kv: int, head_dim: int,
                    threshold: float) -> None:
     """R-KV's redundancy sums: float32 ``out [L, n_kv, T]`` from bfloat16 ``k``.

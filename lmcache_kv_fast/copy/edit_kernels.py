@@ -16,8 +16,8 @@ import torch
 
 from lmcache_kv_fast.copy.select import backend
 
-__all__ = ["Rotation", "gather_tokens", "key_redundancy", "pool_scores", "window_scores",
-           "window_scores_isa"]
+__all__ = ["Rotation", "gather_tokens", "key_redundancy", "key_scores", "pool_scores",
+           "window_scores", "window_scores_isa"]
 
 _KV_DTYPES = {torch.bfloat16: "bfloat16", torch.float32: "float32"}
 
@@ -136,6 +136,29 @@ def pool_scores(x: torch.Tensor, n: int, kernel: int, how: str) -> bool:
     native.score_pool(_span(x), rows, n, x.shape[-1], kernel,  # type: ignore[attr-defined]
                       how == "max")
     return True
+
+
+def key_scores(k: torch.Tensor, head_dim: int, method: str) -> torch.Tensor | None:
+    """KeyDiff (``"keydiff"``) or L2 (``"l2"``) scores ``[L, Hkv, T]`` float32; or None.
+
+    Args:
+        k: bfloat16 ``[L, T, Hkv * head_dim]``, contiguous (plane 0 of the KV).
+        head_dim: Elements per head.
+        method: ``"keydiff"`` or ``"l2"``.
+
+    Returns:
+        The scores (see ``edits._scores.key_scores``), or None when the core cannot run
+        this call.
+    """
+    native = _native()
+    if native is None or k.dtype != torch.bfloat16 or k.dim() != 3 or not _dense(k) or \
+            head_dim <= 0 or k.shape[2] % head_dim or method not in ("keydiff", "l2"):
+        return None
+    layers, count, n_kv = k.shape[0], k.shape[1], k.shape[2] // head_dim
+    out = backend().alloc_result((layers, n_kv, count), torch.float32)
+    native.key_scores(_span(k), _span(out), layers, count, n_kv,  # type: ignore[attr-defined]
+                      head_dim, method == "keydiff")
+    return out
 
 
 def key_redundancy(k: torch.Tensor, head_dim: int, threshold: float) -> torch.Tensor | None:

@@ -14,7 +14,7 @@ from collections.abc import Sequence
 import torch
 import torch.nn.functional as F
 
-from lmcache_kv_fast.copy.edit_kernels import key_redundancy, window_scores
+from lmcache_kv_fast.copy import edit_kernels
 from lmcache_kv_fast.edits._inputs import heads
 from lmcache_kv_fast.errors import InvalidArgumentError
 
@@ -68,12 +68,16 @@ def key_scores(k: torch.Tensor, head_dim: int, method: str) -> torch.Tensor:
     ``"keydiff"`` (Park et al. 2025, KeyDiff): minus the cosine similarity of each key to
     its head's mean key — distinctive keys score high. ``"l2"`` (Devoto et al. 2024): minus
     the key's L2 norm over the head's mean norm — low-norm keys score high, every head on
-    the same scale. One float32 copy of a layer's keys, then reductions over head dims.
+    the same scale. One float32 copy of a layer's keys, then reductions over head dims
+    (in the native core where it takes the keys: the same values to float32 rounding).
     """
     if method not in ("keydiff", "l2"):
         raise InvalidArgumentError(f"score: expected 'keydiff' or 'l2', got {method!r}")
     layers, count = k.shape[0], k.shape[1]
     n_heads = heads(k[:1, :1], head_dim, "kv").shape[-2]
+    native = edit_kernels.key_scores(k, head_dim, method)
+    if native is not None:
+        return native
     # per-layer results go into [L, H, T] buffers: no small temporaries per layer
     norm = torch.empty(layers, n_heads, count)
     ref = torch.empty(layers, n_heads, 1)  # keydiff: dot with the mean key; l2: mean norm
@@ -136,7 +140,7 @@ def window_attention(q: torch.Tensor, k: torch.Tensor, head_dim: int, window: in
     scale = head_dim ** -0.5 if scale is None else scale
     n_q, n_kv = _query_heads(q, k, head_dim)
     # the window's rows only: a small copy when q is a slice (a stream's QUERY tensor)
-    native = window_scores(q[:, tq - window:].contiguous(), k, head_dim, n_kv, window,
+    native = edit_kernels.window_scores(q[:, tq - window:].contiguous(), k, head_dim, n_kv, window,
                            at_end=at_end, scale=scale)
     return native if native is not None else _window_torch(q, k, head_dim, window, at_end,
                                                            scale, n_q // n_kv)
@@ -190,7 +194,7 @@ def redundancy(k: torch.Tensor, head_dim: int, threshold: float) -> torch.Tensor
     rounding).
     """
     layers, count = k.shape[0], k.shape[1]
-    native = key_redundancy(k, head_dim, threshold)
+    native = edit_kernels.key_redundancy(k, head_dim, threshold)
     if native is not None:
         return torch.softmax(native.div_(count), dim=-1)
     out = torch.empty(layers, k.shape[-1] // head_dim if head_dim > 0 else 0, count)

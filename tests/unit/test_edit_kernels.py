@@ -244,7 +244,7 @@ def _torch_redundancy(k: torch.Tensor, hd: int, thr: float,
     from lmcache_kv_fast.edits import _scores
 
     with monkeypatch.context() as m:
-        m.setattr(_scores, "key_redundancy", lambda *a, **kw: None)
+        m.setattr(ek, "key_redundancy", lambda *a, **kw: None)
         return _scores.redundancy(k, hd, thr)
 
 
@@ -283,4 +283,37 @@ def test_key_redundancy_declines_and_rejects() -> None:
         _native.key_redundancy(k_span, (o_span[0], o_span[1] - 4, 0), 1, 20, 2, 64, 0.5)
     with pytest.raises(ValueError, match="head_dim"):
         _native.key_redundancy(k_span, o_span, 1, 20, 2, 48, 0.5)
+    assert bool((out == 5.0).all())
+
+
+# ------------------------------------------------------------------ key_scores
+@pytest.mark.parametrize("method", ["keydiff", "l2"])
+@pytest.mark.parametrize("case", [(2, 37, 2, 64), (3, 300, 2, 128), (1, 1, 1, 32), (2, 20, 2, 80),
+                                  (2, 20, 1, 24)], ids=lambda c: "x".join(map(str, c)))
+def test_key_scores_match_torch(case: tuple, method: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Both the AVX-512 path (head sizes of 16s) and the portable one (24)."""
+    from lmcache_kv_fast.edits import _scores
+
+    layers, count, n_kv, hd = case
+    gen = torch.Generator().manual_seed(count + hd)
+    k = (torch.randn(layers, count, n_kv * hd, generator=gen) * 2 + 0.3).to(torch.bfloat16)
+    got = ek.key_scores(k, hd, method)
+    assert got is not None and got.shape == (layers, n_kv, count)
+    with monkeypatch.context() as m:
+        m.setattr(ek, "key_scores", lambda *a: None)
+        ref = _scores.key_scores(k, hd, method)
+    torch.testing.assert_close(got, ref, rtol=1e-5, atol=1e-6)
+
+
+def test_key_scores_rejects() -> None:
+    k = _bf16(1, 20, 128, seed=15)
+    assert ek.key_scores(k.float(), 64, "l2") is None
+    assert ek.key_scores(k, 48, "l2") is None
+    assert ek.key_scores(k, 64, "cosine") is None
+    out = torch.full((1, 2, 20), 5.0)
+    k_span, o_span = ek._span(k), ek._span(out)
+    with pytest.raises(ValueError, match="key_scores: k needs bytes"):
+        _native.key_scores((k_span[0], k_span[1] - 2, 0), o_span, 1, 20, 2, 64, True)
+    with pytest.raises(ValueError, match="key_scores: out overlaps k"):
+        _native.key_scores(k_span, k_span, 1, 20, 2, 64, True)
     assert bool((out == 5.0).all())

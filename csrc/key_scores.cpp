@@ -1,0 +1,172 @@
+#include "key_scores.hpp"
+
+#include <pybind11/pybind11.h>
+
+#include <algorithm>
+#include <cmath>
+#include <string>
+#include <vector>
+
+#include "common.hpp"
+#include "thread_pool.hpp"
+
+#if defined(__x86_64__)
+#include <immintrin.h>
+#endif
+
+namespace lmckv {
+
+namespace py = pybind11;
+
+namespace {
+
+constexpr const char* kWhat = "key_scores";
+
+// One head's keys: row t at k + t * stride, hd elements; scores into out[T].
+struct Head {
+  const uint16_t* k;
+  uint64_t stride, tokens, hd;
+  float* out;
+};
+
+// L2: out (the norms) over their mean, negated.
+inline void score_l2(const Head& h) {
+  double total = 0.0;
+  for (uint64_t t = 0; t < h.tokens; ++t) total += h.out[t];
+  const float ref = std::max(static_cast<float>(total / h.tokens), 1e-12f);
+  for (uint64_t t = 0; t < h.tokens; ++t) h.out[t] = -(h.out[t] / ref);
+}
+
+// Norms into out, the mean key into mean[hd] (float32 sums).
+__attribute__((always_inline)) inline void norms_and_mean(const Head& h, float* mean,
+                                                          float* row) {
+  std::fill(mean, mean + h.hd, 0.0f);
+  for (uint64_t t = 0; t < h.tokens; ++t) {
+    const uint16_t* x = h.k + t * h.stride;
+    float sq = 0.0f;
+    for (uint64_t d = 0; d < h.hd; ++d) {
+      row[d] = bf16_to_f32(x[d]);
+      sq += row[d] * row[d];
+      mean[d] += row[d];
+    }
+    h.out[t] = std::sqrt(sq);
+  }
+  for (uint64_t d = 0; d < h.hd; ++d) mean[d] /= static_cast<float>(h.tokens);
+}
+
+__attribute__((always_inline)) inline void score_body(const Head& h, bool keydiff,
+                                                      float* scratch) {
+  float* mean = scratch;
+  float* row = scratch + h.hd;
+  norms_and_mean(h, mean, row);
+  if (!keydiff) {
+    score_l2(h);
+    return;
+  }
+  float msq = 0.0f;
+  for (uint64_t d = 0; d < h.hd; ++d) msq += mean[d] * mean[d];
+  const float mnorm = std::sqrt(msq);
+  for (uint64_t t = 0; t < h.tokens; ++t) {
+    const uint16_t* x = h.k + t * h.stride;
+    float dot = 0.0f;
+    for (uint64_t d = 0; d < h.hd; ++d) dot += bf16_to_f32(x[d]) * mean[d];
+    h.out[t] = -(dot / std::max(h.out[t] * mnorm, 1e-8f));
+  }
+}
+
+using ScoreFn = void (*)(const Head&, bool, float*);
+
+void score_generic(const Head& h, bool keydiff, float* scratch) { score_body(h, keydiff, scratch); }
+
+#if defined(__x86_64__)
+#define LMCKV_KS_TARGET __attribute__((target("avx512f,avx512bw,avx512vl,fma")))
+
+LMCKV_KS_TARGET inline __m512 load16(const uint16_t* p) {
+  const __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+}
+
+// score_body with explicit vectors over the head (hd a multiple of 16, at most 256): the
+// compiler does not vectorise the float sums of norms and dots on its own.
+LMCKV_KS_TARGET void score_avx512(const Head& h, bool keydiff, float* scratch) {
+  const uint64_t nv = h.hd / 16;
+  __m512 mean[16];
+  for (uint64_t v = 0; v < nv; ++v) mean[v] = _mm512_setzero_ps();
+  for (uint64_t t = 0; t < h.tokens; ++t) {
+    const uint16_t* x = h.k + t * h.stride;
+    __m512 sq = _mm512_setzero_ps();
+    for (uint64_t v = 0; v < nv; ++v) {
+      const __m512 r = load16(x + 16 * v);
+      sq = _mm512_fmadd_ps(r, r, sq);
+      mean[v] = _mm512_add_ps(mean[v], r);
+    }
+    h.out[t] = std::sqrt(_mm512_reduce_add_ps(sq));
+  }
+  const __m512 inv_t = _mm512_set1_ps(1.0f / static_cast<float>(h.tokens));
+  __m512 msq = _mm512_setzero_ps();
+  for (uint64_t v = 0; v < nv; ++v) {
+    mean[v] = _mm512_mul_ps(mean[v], inv_t);
+    msq = _mm512_fmadd_ps(mean[v], mean[v], msq);
+  }
+  if (!keydiff) {
+    score_l2(h);
+    return;
+  }
+  const float mnorm = std::sqrt(_mm512_reduce_add_ps(msq));
+  for (uint64_t t = 0; t < h.tokens; ++t) {
+    const uint16_t* x = h.k + t * h.stride;
+    __m512 dot = _mm512_setzero_ps();
+    for (uint64_t v = 0; v < nv; ++v) dot = _mm512_fmadd_ps(load16(x + 16 * v), mean[v], dot);
+    h.out[t] = -(_mm512_reduce_add_ps(dot) / std::max(h.out[t] * mnorm, 1e-8f));
+  }
+  (void)scratch;
+}
+#endif
+
+ScoreFn pick(uint64_t hd) {
+#if defined(__x86_64__)
+  static const bool avx512 = __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw");
+  if (avx512 && hd % 16 == 0 && hd <= 256) return &score_avx512;
+#endif
+  (void)hd;
+  return &score_generic;
+}
+
+}  // namespace
+
+KeyScoresPlan::KeyScoresPlan(const KeyScoresArgs& a) : a_(a) {
+  if (a.n_kv == 0 || a.head_dim == 0) {
+    throw py::value_error(std::string(kWhat) + ": n_kv and head_dim must be >= 1");
+  }
+  const uint64_t kn = checked_mul(checked_mul(a.layers, a.tokens, kWhat), a.n_kv * a.head_dim,
+                                  kWhat);
+  const uint64_t on = checked_mul(checked_mul(a.layers, a.n_kv, kWhat), a.tokens, kWhat);
+  const char* k = checked_span(a.k.base, a.k.nbytes, a.k.offset, checked_mul(kn, 2, kWhat),
+                               kWhat, "k");
+  const char* o = checked_span(a.out.base, a.out.nbytes, a.out.offset, checked_mul(on, 4, kWhat),
+                               kWhat, "out");
+  if (on && o < k + kn * 2 && k < o + on * 4) {
+    throw py::value_error(std::string(kWhat) + ": out overlaps k");
+  }
+  k_ = reinterpret_cast<const uint16_t*>(k);
+  out_ = reinterpret_cast<float*>(const_cast<char*>(o));
+}
+
+void KeyScoresPlan::execute() const {
+  const uint64_t units = a_.layers * a_.n_kv;
+  if (units == 0 || a_.tokens == 0) return;
+  const ScoreFn fn = pick(a_.head_dim);
+  run_parallel(units * a_.tokens * a_.head_dim * 2, static_cast<int>(std::min<uint64_t>(units, 1u << 20)),
+               [this, units, fn](int task, int ntasks) {
+                 std::vector<float> scratch(2 * a_.head_dim);
+                 const uint64_t t = static_cast<uint64_t>(task), nt = static_cast<uint64_t>(ntasks);
+                 for (uint64_t u = units * t / nt; u < units * (t + 1) / nt; ++u) {
+                   const uint64_t l = u / a_.n_kv, h = u % a_.n_kv, hd = a_.head_dim;
+                   const Head head{k_ + l * a_.tokens * a_.n_kv * hd + h * hd, a_.n_kv * hd,
+                                   a_.tokens, hd, out_ + u * a_.tokens};
+                   fn(head, a_.keydiff, scratch.data());
+                 }
+               });
+}
+
+}  // namespace lmckv
