@@ -317,3 +317,27 @@ def test_key_scores_rejects() -> None:
     with pytest.raises(ValueError, match="key_scores: out overlaps k"):
         _native.key_scores(k_span, k_span, 1, 20, 2, 64, True)
     assert bool((out == 5.0).all())
+
+
+def test_kernels_from_many_threads_agree() -> None:
+    """Callers racing for the copy pool (a busy pool runs the job on the caller's thread,
+    with that thread's own scratch): every result equals the one computed alone."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    k, q = _bf16(4, 700, 2 * 64, seed=16), _bf16(4, 24, 8 * 64, seed=17)
+    kv = _bf16(2, 4, 700, 2 * 64, seed=18)
+    idx = torch.arange(0, 700, 3, dtype=torch.int64)
+    rot = ek.Rotation(torch.rand(idx.numel(), 32), torch.rand(idx.numel(), 32), 64, 64, False)
+
+    def run() -> tuple[torch.Tensor, ...]:
+        s = ek.window_scores(q, k, 64, 2, 24, at_end=True, scale=0.125)
+        g = ek.gather_tokens(kv, idx, rot)
+        assert s is not None and g is not None
+        return s.clone(), g.clone()
+
+    alone = run()
+    with ThreadPoolExecutor(4) as pool:
+        results = list(pool.map(lambda _: run(), range(16)))
+    for s, g in results:
+        assert torch.equal(g, alone[1])
+        torch.testing.assert_close(s, alone[0], rtol=0, atol=0)
