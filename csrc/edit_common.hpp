@@ -15,6 +15,9 @@ struct Span {
 // Element types the edit kernels read and write.
 enum class EditDType : int { kF32 = 0, kBF16 = 1 };
 
+// v rounded up to a multiple of m.
+inline uint64_t round_up(uint64_t v, uint64_t m) { return (v + m - 1) / m * m; }
+
 inline float bf16_to_f32(uint16_t h) {
   const uint32_t u = static_cast<uint32_t>(h) << 16;
   float f;

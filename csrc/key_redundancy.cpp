@@ -11,7 +11,6 @@
 
 #include "amx_tiles.hpp"
 #include "common.hpp"
-#include "thread_pool.hpp"
 
 #pragma GCC diagnostic ignored "-Wmaybe-uninitialized"  // GCC's `__Y = __Y` (amx_tiles.cpp)
 
@@ -32,7 +31,6 @@ struct Scratch {
 };
 thread_local Scratch t_scratch;
 
-uint64_t round_up(uint64_t v, uint64_t m) { return (v + m - 1) / m * m; }
 
 #ifdef LMCKV_AMX
 // Sum over j < n of c = dot[j] * inv_i * inv[j] where c > thr (the caller set the pair
@@ -87,55 +85,46 @@ bool KeyRedundancyPlan::supported(uint64_t head_dim) {
   return head_dim % 32 == 0 && head_dim > 0 && head_dim <= 128 && amx::available();
 }
 
-KeyRedundancyPlan::KeyRedundancyPlan(const KeyRedundancyArgs& a) : a_(a) {
-  if (!supported(a.head_dim)) {
+namespace {
+const KeyHeadsArgs& checked(const KeyRedundancyArgs& a) {
+  if (!KeyRedundancyPlan::supported(a.heads.head_dim)) {
     fail("needs AMX and a head_dim that is a multiple of 32 up to 128, got head_dim " +
-         std::to_string(a.head_dim));
+         std::to_string(a.heads.head_dim));
   }
-  if (a.n_kv == 0) fail("n_kv must be >= 1");
   if (!std::isfinite(a.threshold)) fail("threshold must be finite");
-  const uint64_t kn = checked_mul(checked_mul(a.layers, a.tokens, kWhat), a.n_kv * a.head_dim,
-                                  kWhat);
-  const uint64_t on = checked_mul(checked_mul(a.layers, a.n_kv, kWhat), a.tokens, kWhat);
-  const char* k = checked_span(a.k.base, a.k.nbytes, a.k.offset, checked_mul(kn, 2, kWhat),
-                               kWhat, "k");
-  const char* o = checked_span(a.out.base, a.out.nbytes, a.out.offset, checked_mul(on, 4, kWhat),
-                               kWhat, "out");
-  if (on && o < k + kn * 2 && k < o + on * 4) fail("out overlaps k");
-  k_ = reinterpret_cast<const uint16_t*>(k);
-  out_ = reinterpret_cast<float*>(const_cast<char*>(o));
+  return a.heads;
 }
+}  // namespace
+
+KeyRedundancyPlan::KeyRedundancyPlan(const KeyRedundancyArgs& a)
+    : heads_(checked(a), kWhat), threshold_(a.threshold) {}
 
 void KeyRedundancyPlan::run_unit(uint64_t unit) const {
-  const uint64_t l = unit / a_.n_kv, h = unit % a_.n_kv, hd = a_.head_dim, T = a_.tokens;
+  const KeyHeadsArgs& a = heads_.args();
+  const uint64_t hd = a.head_dim, T = a.tokens;
   const uint64_t rows_pad = round_up(T, kTile), ld = rows_pad + kTile;  // +1 line: L1 sets
   Scratch& s = t_scratch;
   s.a.assign(rows_pad * hd, 0);
   s.inv.assign(ld, 0.0f);
   s.b.resize(rows_pad * hd / 2);
   s.dots.resize(2 * kTile * ld);
-  const uint16_t* k = k_ + l * T * a_.n_kv * hd + h * hd;
+  const KeyHeads::Unit x = heads_.unit(unit);
   for (uint64_t t = 0; t < T; ++t) {
-    const uint16_t* row = k + t * a_.n_kv * hd;
+    const uint16_t* row = x.k + t * x.stride;
     std::memcpy(s.a.data() + t * hd, row, hd * 2);
     float sq = 0.0f;
     for (uint64_t d = 0; d < hd; ++d) sq += bf16_to_f32(row[d]) * bf16_to_f32(row[d]);
     s.inv[t] = 1.0f / std::max(std::sqrt(sq), 1e-12f);
   }
 #ifdef LMCKV_AMX
-  unit_amx(s, rows_pad, ld, hd, T, a_.threshold, out_ + (l * a_.n_kv + h) * T);
+  unit_amx(s, rows_pad, ld, hd, T, threshold_, x.out);
 #endif
 }
 
 void KeyRedundancyPlan::execute() const {
-  const uint64_t units = a_.layers * a_.n_kv;
-  if (units == 0 || a_.tokens == 0) return;
-  const uint64_t work = units * a_.tokens * a_.tokens * 4;  // the dot products' bytes
-  run_parallel(work, static_cast<int>(std::min<uint64_t>(units, 1u << 20)),
-               [this, units](int task, int ntasks) {
-                 const uint64_t t = static_cast<uint64_t>(task), nt = static_cast<uint64_t>(ntasks);
-                 for (uint64_t u = units * t / nt; u < units * (t + 1) / nt; ++u) run_unit(u);
-               });
+  const KeyHeadsArgs& a = heads_.args();
+  heads_.for_each(a.layers * a.n_kv * a.tokens * a.tokens * 4,  // the dot products' bytes
+                  [this](uint64_t u) { run_unit(u); });
 }
 
 }  // namespace lmckv

@@ -13,13 +13,12 @@
 
 #include <cstdint>
 
-#include "edit_common.hpp"
+#include "key_heads.hpp"
 
 namespace lmckv {
 
 struct KeyRedundancyArgs {
-  Span k, out;  // k: bf16 [L, T, n_kv * head_dim]; out: f32 [L, n_kv, T]
-  uint64_t layers = 0, tokens = 0, n_kv = 0, head_dim = 0;
+  KeyHeadsArgs heads;  // k: bf16 [L, T, n_kv * head_dim]; out: f32 [L, n_kv, T]
   float threshold = 0.5f;
 };
 
@@ -34,9 +33,8 @@ class KeyRedundancyPlan {
  private:
   void run_unit(uint64_t unit) const;
 
-  KeyRedundancyArgs a_;
-  const uint16_t* k_ = nullptr;
-  float* out_ = nullptr;
+  KeyHeads heads_;
+  float threshold_;
 };
 
 }  // namespace lmckv

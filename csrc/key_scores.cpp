@@ -8,7 +8,6 @@
 #include <vector>
 
 #include "common.hpp"
-#include "thread_pool.hpp"
 
 #if defined(__x86_64__)
 #include <immintrin.h>
@@ -134,39 +133,18 @@ ScoreFn pick(uint64_t hd) {
 
 }  // namespace
 
-KeyScoresPlan::KeyScoresPlan(const KeyScoresArgs& a) : a_(a) {
-  if (a.n_kv == 0 || a.head_dim == 0) {
-    throw py::value_error(std::string(kWhat) + ": n_kv and head_dim must be >= 1");
-  }
-  const uint64_t kn = checked_mul(checked_mul(a.layers, a.tokens, kWhat), a.n_kv * a.head_dim,
-                                  kWhat);
-  const uint64_t on = checked_mul(checked_mul(a.layers, a.n_kv, kWhat), a.tokens, kWhat);
-  const char* k = checked_span(a.k.base, a.k.nbytes, a.k.offset, checked_mul(kn, 2, kWhat),
-                               kWhat, "k");
-  const char* o = checked_span(a.out.base, a.out.nbytes, a.out.offset, checked_mul(on, 4, kWhat),
-                               kWhat, "out");
-  if (on && o < k + kn * 2 && k < o + on * 4) {
-    throw py::value_error(std::string(kWhat) + ": out overlaps k");
-  }
-  k_ = reinterpret_cast<const uint16_t*>(k);
-  out_ = reinterpret_cast<float*>(const_cast<char*>(o));
-}
+KeyScoresPlan::KeyScoresPlan(const KeyScoresArgs& a)
+    : heads_(a.heads, kWhat), keydiff_(a.keydiff) {}
 
 void KeyScoresPlan::execute() const {
-  const uint64_t units = a_.layers * a_.n_kv;
-  if (units == 0 || a_.tokens == 0) return;
-  const ScoreFn fn = pick(a_.head_dim);
-  run_parallel(units * a_.tokens * a_.head_dim * 2, static_cast<int>(std::min<uint64_t>(units, 1u << 20)),
-               [this, units, fn](int task, int ntasks) {
-                 std::vector<float> scratch(2 * a_.head_dim);
-                 const uint64_t t = static_cast<uint64_t>(task), nt = static_cast<uint64_t>(ntasks);
-                 for (uint64_t u = units * t / nt; u < units * (t + 1) / nt; ++u) {
-                   const uint64_t l = u / a_.n_kv, h = u % a_.n_kv, hd = a_.head_dim;
-                   const Head head{k_ + l * a_.tokens * a_.n_kv * hd + h * hd, a_.n_kv * hd,
-                                   a_.tokens, hd, out_ + u * a_.tokens};
-                   fn(head, a_.keydiff, scratch.data());
-                 }
-               });
+  const KeyHeadsArgs& a = heads_.args();
+  const ScoreFn fn = pick(a.head_dim);
+  heads_.for_each(a.layers * a.n_kv * a.tokens * a.head_dim * 2, [this, &a, fn](uint64_t u) {
+    thread_local std::vector<float> scratch;
+    scratch.resize(2 * a.head_dim);
+    const KeyHeads::Unit x = heads_.unit(u);
+    fn(Head{x.k, x.stride, a.tokens, a.head_dim, x.out}, keydiff_, scratch.data());
+  });
 }
 
 }  // namespace lmckv

@@ -11,13 +11,12 @@
 
 #include <cstdint>
 
-#include "edit_common.hpp"
+#include "key_heads.hpp"
 
 namespace lmckv {
 
 struct KeyScoresArgs {
-  Span k, out;  // k: bf16 [L, T, n_kv * head_dim]; out: f32 [L, n_kv, T]
-  uint64_t layers = 0, tokens = 0, n_kv = 0, head_dim = 0;
+  KeyHeadsArgs heads;   // k: bf16 [L, T, n_kv * head_dim]; out: f32 [L, n_kv, T]
   bool keydiff = true;  // else l2
 };
 
@@ -27,9 +26,8 @@ class KeyScoresPlan {
   void execute() const;                            // without the GIL
 
  private:
-  KeyScoresArgs a_;
-  const uint16_t* k_ = nullptr;
-  float* out_ = nullptr;
+  KeyHeads heads_;
+  bool keydiff_;
 };
 
 }  // namespace lmckv

@@ -82,6 +82,18 @@ EditDType edit_dtype(const std::string& name) {
   throw py::value_error("dtype must be 'float32' or 'bfloat16', got '" + name + "'");
 }
 
+KeyHeadsArgs key_heads_args(py::handle k, py::handle out, py::handle layers,
+                            py::handle tokens, py::handle n_kv, py::handle head_dim) {
+  KeyHeadsArgs a;
+  a.k = span_arg(k, "k");
+  a.out = span_arg(out, "out");
+  a.layers = field(layers, "layers");
+  a.tokens = field(tokens, "tokens");
+  a.n_kv = field(n_kv, "n_kv");
+  a.head_dim = field(head_dim, "head_dim");
+  return a;
+}
+
 void bind_edit_kernels(py::module_& m) {
   m.def(
       "rope_gather",
@@ -160,12 +172,7 @@ void bind_edit_kernels(py::module_& m) {
       [](py::handle k, py::handle out, py::handle layers, py::handle tokens, py::handle n_kv,
          py::handle head_dim, float threshold) {
         KeyRedundancyArgs a;
-        a.k = span_arg(k, "k");
-        a.out = span_arg(out, "out");
-        a.layers = field(layers, "layers");
-        a.tokens = field(tokens, "tokens");
-        a.n_kv = field(n_kv, "n_kv");
-        a.head_dim = field(head_dim, "head_dim");
+        a.heads = key_heads_args(k, out, layers, tokens, n_kv, head_dim);
         a.threshold = threshold;
         const KeyRedundancyPlan plan(a);
         py::gil_scoped_release nogil;
@@ -182,12 +189,7 @@ void bind_edit_kernels(py::module_& m) {
       [](py::handle k, py::handle out, py::handle layers, py::handle tokens, py::handle n_kv,
          py::handle head_dim, bool keydiff) {
         KeyScoresArgs a;
-        a.k = span_arg(k, "k");
-        a.out = span_arg(out, "out");
-        a.layers = field(layers, "layers");
-        a.tokens = field(tokens, "tokens");
-        a.n_kv = field(n_kv, "n_kv");
-        a.head_dim = field(head_dim, "head_dim");
+        a.heads = key_heads_args(k, out, layers, tokens, n_kv, head_dim);
         a.keydiff = keydiff;
         const KeyScoresPlan plan(a);
         py::gil_scoped_release nogil;

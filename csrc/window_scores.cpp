@@ -36,7 +36,6 @@ struct Scratch {
 };
 thread_local Scratch t_scratch;
 
-uint64_t round_up(uint64_t v, uint64_t m) { return (v + m - 1) / m * m; }
 
 // ------------------------------------------------------------------ ISA selection
 std::atomic<int> g_forced{-1};  // -1 auto, 0 generic, 1 amx
