@@ -9,6 +9,7 @@ in float32 with the same operations, so a re-rotation uses the engine's own angl
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass
 
@@ -65,7 +66,13 @@ class RoPE:
     dynamic_seq_len: int | None = None
 
     def inv_freq(self) -> torch.Tensor:
-        """Per-pair angular frequencies, float32 ``[rotary_dim // 2]`` (transformers' values)."""
+        """Per-pair angular frequencies, float32 ``[rotary_dim // 2]`` (transformers' values).
+
+        Computed once per RoPE (an edit asks on every call); each call gets its own copy.
+        """
+        return _inv_freq(self).clone()
+
+    def _compute_inv_freq(self) -> torch.Tensor:
         dim = self.rotary_dim
         exps = torch.arange(0, dim, 2, dtype=torch.int64).to(dtype=torch.float) / dim
         if self.rope_type == "dynamic":
@@ -123,3 +130,8 @@ class RoPE:
         inter = 1.0 / (self.factor * pos_freqs)
         extra_factor = 1 - ramp
         return inter * (1 - extra_factor) + extra * extra_factor
+
+
+@functools.lru_cache(maxsize=64)
+def _inv_freq(rope: RoPE) -> torch.Tensor:
+    return rope._compute_inv_freq()
