@@ -17,7 +17,6 @@
 #include "common.hpp"
 #include "thread_pool.hpp"
 
-
 namespace lmckv {
 
 namespace py = pybind11;
@@ -35,7 +34,6 @@ struct Scratch {
   std::vector<float> e;       // one row's softmax numerators
 };
 thread_local Scratch t_scratch;
-
 
 // ------------------------------------------------------------------ ISA selection
 std::atomic<int> g_forced{-1};  // -1 auto, 0 generic, 1 amx
