@@ -53,6 +53,10 @@ from typing import Any
 
 import torch
 
+if __package__ in (None, ""):  # run as a script: the checkout root, for benches.harness
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from benches.harness.edits import plain_loop as edit_loop
+
 ALL_PATHS = ("rewrite", "loop", "loop-t1", "upstream", "rewrite-alloc", "fn", "rewrite-before",
              "rewrite-before-alloc")
 DEFAULT_PATHS = ("rewrite", "loop", "loop-t1", "upstream", "rewrite-alloc")
@@ -125,23 +129,7 @@ def plain_loop(ctx: Any, prompts: Sequence[Sequence[int]],
                fn: Callable[..., tuple[torch.Tensor, list[int]]]) -> tuple[int, dict[str, float]]:
     """``retrieve -> fn -> store`` per prompt (works for both SDKs); (stored, stage times)."""
     stages = {"retrieve": 0.0, "fn": 0.0, "store": 0.0}
-    ok = 0
-    for toks in prompts:
-        t0 = time.perf_counter()
-        kv = ctx.retrieve(toks)
-        t1 = time.perf_counter()
-        if kv is None:
-            continue
-        new_kv, new_toks = fn(kv, toks)
-        del kv
-        t2 = time.perf_counter()
-        ok += bool(ctx.store(new_kv, new_toks))
-        del new_kv
-        t3 = time.perf_counter()
-        stages["retrieve"] += t1 - t0
-        stages["fn"] += t2 - t1
-        stages["store"] += t3 - t2
-    return ok, stages
+    return edit_loop(ctx, prompts, fn, stages), stages
 
 
 # ------------------------------------------------------------------------------ upstream

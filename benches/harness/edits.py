@@ -9,6 +9,7 @@ imported where needed: the worker interpreters import this module.
 from __future__ import annotations
 
 import math
+import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -62,6 +63,30 @@ def drop_every_kth_plain(kv: Any, tokens: Sequence[int], k: int = 10) -> tuple[A
 
     keep = [i for i in range(len(tokens)) if i % k != k - 1]
     return kv.index_select(2, torch.tensor(keep)), [tokens[i] for i in keep]
+
+
+def plain_loop(ctx: Any, prompts: Sequence[Sequence[int]],
+               fn: Callable[..., tuple[Any, list[int]]], stages: dict[str, float]) -> int:
+    """``retrieve -> fn -> store`` per prompt (either SDK's context); sequences stored.
+
+    Each stage's seconds are added into ``stages`` (``retrieve``, ``fn``, ``store``).
+    """
+    ok = 0
+    for toks in prompts:
+        t0 = time.perf_counter()
+        kv = ctx.retrieve(toks)
+        t1 = time.perf_counter()
+        if kv is None:
+            continue
+        new_kv, new_toks = fn(kv, toks)
+        del kv
+        t2 = time.perf_counter()
+        ok += bool(ctx.store(new_kv, new_toks))
+        del new_kv
+        t3 = time.perf_counter()
+        for k, v in (("retrieve", t1 - t0), ("fn", t2 - t1), ("store", t3 - t2)):
+            stages[k] = stages.get(k, 0.0) + v
+    return ok
 
 
 # ---------------------------------------------------------------------------- W7

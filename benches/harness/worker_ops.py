@@ -25,6 +25,7 @@ from .edits import (
     drop_every_kth,
     drop_every_kth_plain,
     llama3_inv_freq,
+    plain_loop,
     snapkv_rerotate_plain,
     w7_queries,
 )
@@ -192,21 +193,7 @@ def _sequential_loop(ctx: Any, prompts: Sequence[Sequence[int]],
     Each stage's seconds are added into ``stages`` (the caller clears it per rep).
     """
     def sequential() -> int:
-        ok = 0
-        for toks in prompts:
-            t0 = time.perf_counter()
-            kv = ctx.retrieve(toks)
-            t1 = time.perf_counter()
-            if kv is None:
-                continue
-            new_kv, new_toks = fn(kv, toks)
-            del kv
-            t2 = time.perf_counter()
-            ok += bool(ctx.store(new_kv, new_toks))
-            t3 = time.perf_counter()
-            for k, v in (("retrieve", t1 - t0), ("fn", t2 - t1), ("store", t3 - t2)):
-                stages[k] = stages.get(k, 0.0) + v
-        return ok
+        return plain_loop(ctx, prompts, fn, stages)
 
     return sequential
 
