@@ -297,6 +297,12 @@ bool CopyPlan::stream_for(uint64_t total) {
          (k == Kernel::kAuto && total >= g_stream_threshold.load(std::memory_order_relaxed));
 }
 
+StreamCopyFn stream_copy_for(uint64_t total) {
+  return CopyPlan::stream_for(total) ? stream_fn_for(get_kernel()) : nullptr;
+}
+
+void stream_fence() { store_fence(); }
+
 int CopyPlan::execute() const {
   if (total_ == 0) return 0;
   const bool stream = stream_for(total_);

@@ -36,6 +36,13 @@ int get_stream_interleave();
 // Name of the streaming implementation picked for this CPU ("avx512", "avx2", "sse2", "none").
 std::string stream_isa();
 
+// The streaming copy CopyPlan::execute() would use for a job of `total` bytes (by the
+// configured kernel, threshold and ISA), or nullptr: cached stores (memcpy). A caller
+// that streams runs stream_fence() at the end of each part (weakly-ordered stores).
+using StreamCopyFn = void (*)(char* dst, const char* src, size_t n);
+StreamCopyFn stream_copy_for(uint64_t total);
+void stream_fence();
+
 struct CopyOp {
   char* dst;
   const char* src;

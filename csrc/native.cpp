@@ -21,6 +21,7 @@
 
 #include "common.hpp"
 #include "copy_kernels.hpp"
+#include "fused_rows.hpp"
 #include "kv_copy.hpp"
 #include "result_buffer.hpp"
 #include "shm_mapping.hpp"
@@ -66,6 +67,41 @@ class PinSet {
 };
 
 uint64_t field(py::handle obj, const char* what) { return to_u64_nonneg(obj, what); }
+
+// Check and pin the owners of regions (addrs[j], lens[j]): `owners` is None or one
+// Mapping-or-None per region; a Mapping must be open and contain its region. Returns the
+// owner of each region (nullptr: none). ValueError / TypeError "<op>: <kind> j ...".
+std::vector<Mapping*> pin_owners(PinSet& pins, py::handle owners,
+                                 const std::vector<int64_t>& addrs,
+                                 const std::vector<int64_t>& lens, const std::string& op,
+                                 const std::string& kind) {
+  std::vector<Mapping*> owner_of(addrs.size(), nullptr);
+  if (owners.is_none()) return owner_of;
+  py::sequence seq = py::reinterpret_borrow<py::sequence>(owners);
+  if (seq.size() != addrs.size()) {
+    throw py::value_error(op + ": " + std::to_string(seq.size()) + " owners for " +
+                          std::to_string(addrs.size()) + " " + kind + "s");
+  }
+  for (size_t j = 0; j < addrs.size(); ++j) {
+    py::object o = seq[j];
+    if (o.is_none()) continue;
+    if (!py::isinstance<Mapping>(o)) {
+      throw py::type_error(op + ": owner " + std::to_string(j) + " is not a Mapping or None");
+    }
+    Mapping* m = o.cast<Mapping*>();
+    if (m->closed()) {
+      throw py::value_error(op + ": " + kind + " " + std::to_string(j) +
+                            " belongs to closed segment " + m->name());
+    }
+    if (!m->contains(static_cast<uintptr_t>(addrs[j]), static_cast<uint64_t>(lens[j]))) {
+      throw py::value_error(op + ": " + kind + " " + std::to_string(j) +
+                            " lies outside segment " + m->name());
+    }
+    pins.add(o, m);
+    owner_of[j] = m;
+  }
+  return owner_of;
+}
 
 // A buffer span handed over as (base, nbytes, offset).
 Span span_arg(py::handle obj, const char* what) {
@@ -474,36 +510,57 @@ void kv_copy(bool to_regions, py::handle tensor_ptr, py::handle tensor_nbytes, p
                                addrs, lens);
 
   PinSet pins;
-  std::vector<Mapping*> owner_of(addrs.size(), nullptr);
-  if (!owners.is_none()) {
-    py::sequence seq = py::reinterpret_borrow<py::sequence>(owners);
-    if (seq.size() != addrs.size()) {
-      throw py::value_error(std::string(op) + ": " + std::to_string(seq.size()) +
-                            " owners for " + std::to_string(addrs.size()) + " regions");
-    }
-    for (size_t j = 0; j < addrs.size(); ++j) {
-      py::object o = seq[j];
-      if (o.is_none()) continue;
-      if (!py::isinstance<Mapping>(o)) {
-        throw py::type_error(std::string(op) + ": owner " + std::to_string(j) +
-                             " is not a Mapping or None");
-      }
-      Mapping* m = o.cast<Mapping*>();
-      if (m->closed()) {
-        throw py::value_error(std::string(op) + ": region " + std::to_string(j) +
-                              " belongs to closed segment " + m->name());
-      }
-      if (!m->contains(static_cast<uintptr_t>(addrs[j]), static_cast<uint64_t>(lens[j]))) {
-        throw py::value_error(std::string(op) + ": region " + std::to_string(j) +
-                              " lies outside segment " + m->name());
-      }
-      pins.add(o, m);
-      owner_of[j] = m;
-    }
-    if (to_regions && scatter_cold_aware(plan, owner_of, addrs, lens)) return;
-  }
+  const std::vector<Mapping*> owner_of = pin_owners(pins, owners, addrs, lens, op, "region");
+  if (!owners.is_none() && to_regions && scatter_cold_aware(plan, owner_of, addrs, lens)) return;
   py::gil_scoped_release nogil;
   plan.execute();
+}
+
+void bind_fused_rows(py::module_& m) {
+  m.def(
+      "fused_rows",
+      [](py::handle src_addrs, py::handle src_nbytes, py::handle src_owners, py::handle dst_ids,
+         py::handle dst_addrs, py::handle dst_nbytes, py::handle dst_owners, py::handle idx,
+         py::handle n_out, py::handle geometry, py::handle cos, py::handle sin,
+         py::handle head_dim, py::handle rotary_dim, bool interleaved, const std::string& dtype) {
+        FusedRowsArgs a;
+        a.src_addrs = to_i64_vector(src_addrs, "source region address");
+        a.src_nbytes = to_i64_vector(src_nbytes, "source region length");
+        a.dst_ids = to_i64_vector(dst_ids, "destination chunk id");
+        a.dst_addrs = to_i64_vector(dst_addrs, "destination region address");
+        a.dst_nbytes = to_i64_vector(dst_nbytes, "destination region length");
+        a.idx = span_arg(idx, "idx");
+        a.cos = span_arg(cos, "cos");
+        a.sin = span_arg(sin, "sin");
+        a.n_out = field(n_out, "n_out");
+        const std::vector<int64_t> geo = to_i64_vector(geometry, "geometry");
+        if (geo.size() != 5 || *std::min_element(geo.begin(), geo.end()) < 0) {
+          throw py::value_error("fused_rows: geometry must be 5 integers >= 0 (planes, layers, "
+                                "chunk_tokens, width, itemsize)");
+        }
+        a.planes = static_cast<uint64_t>(geo[0]);
+        a.layers = static_cast<uint64_t>(geo[1]);
+        a.chunk_tokens = static_cast<uint64_t>(geo[2]);
+        a.width = static_cast<uint64_t>(geo[3]);
+        a.itemsize = static_cast<uint64_t>(geo[4]);
+        a.head_dim = field(head_dim, "head_dim");
+        a.rotary_dim = field(rotary_dim, "rotary_dim");
+        a.interleaved = interleaved;
+        if (a.rotary_dim) a.dtype = edit_dtype(dtype);
+        const FusedRowsPlan plan(a);
+        PinSet pins;
+        pin_owners(pins, src_owners, a.src_addrs, a.src_nbytes, "fused_rows", "source region");
+        pin_owners(pins, dst_owners, a.dst_addrs, a.dst_nbytes, "fused_rows",
+                   "destination region");
+        py::gil_scoped_release nogil;
+        plan.execute();
+      },
+      "src_addrs"_a, "src_nbytes"_a, "src_owners"_a, "dst_ids"_a, "dst_addrs"_a,
+      "dst_nbytes"_a, "dst_owners"_a, "idx"_a, "n_out"_a, "geometry"_a, "cos"_a, "sin"_a,
+      "head_dim"_a, "rotary_dim"_a, "interleaved"_a, "dtype"_a,
+      "dst[j][p][l][r] = src[i // C][p][l][i % C] with i = idx[dst_ids[j] * C + r], plane 0 "
+      "re-rotated by cos/sin of that output token when rotary_dim > 0 (spans are (base, "
+      "nbytes, offset); ValueError before any byte moves).");
 }
 
 // ValueError unless every page of [addr, addr + len) is mapped: msync(MS_ASYNC) only
@@ -735,6 +792,7 @@ PYBIND11_MODULE(_native, m) {
       "before any byte moves).");
 
   bind_edit_kernels(m);
+  bind_fused_rows(m);
   m.def("set_threads", &set_threads, "n"_a);
   m.def("get_threads", &get_threads);
   m.def("set_parallel_threshold",

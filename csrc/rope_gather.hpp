@@ -5,11 +5,9 @@
 // the way: in every head of `head_dim`, each rotary pair (neox: dims i, i + rotary/2;
 // interleaved: 2i, 2i + 1) of row j becomes (x1 c - x2 s, x2 c + x1 s) with c, s =
 // cos[j][i], sin[j][i] (the caller's float32 tables, [n, rotary/2]). Dims past
-// `rotary_dim` and the other planes are copied unchanged. float32 math, rounded back to
-// the element type (bfloat16: to nearest even) in the order torch's `mul` + `addcmul_`
-// round them (x1 c rounded, then x2 s fused in: fma(-x2, s, x1 c)); CMakeLists builds this
-// file with -ffp-contract=off so no other operation fuses. The bytes are those of
-// `edits.rerotate`'s torch code, bit for bit.
+// `rotary_dim` and the other planes are copied unchanged. The rotation (rope_rotate.hpp)
+// rounds as torch's `mul` + `addcmul_` do: the bytes are those of `edits.rerotate`'s
+// torch code, bit for bit.
 //
 // Planning validates everything (ValueError, GIL held, before any byte moves): every
 // index in [0, rows), every span inside its buffer, no overlap of source and destination.

@@ -181,6 +181,31 @@ def rope_gather(dst: Span, src: Span, idx: Span, cos: Span, sin: Span, planes: i
             any byte moves).
     """
 
+def fused_rows(src_addrs: Sequence[int], src_nbytes: Sequence[int],
+               src_owners: Sequence[Mapping | None] | None, dst_ids: Sequence[int],
+               dst_addrs: Sequence[int], dst_nbytes: Sequence[int],
+               dst_owners: Sequence[Mapping | None] | None, idx: Span, n_out: int,
+               geometry: tuple[int, int, int, int, int], cos: Span, sin: Span, head_dim: int,
+               rotary_dim: int, interleaved: bool, dtype: str) -> None:
+    """Token rows from chunk regions straight into chunk regions, K optionally re-rotated.
+
+    Every region holds one ``[P, L, C, W]`` object (``geometry`` = ``(P, L, C, W,
+    itemsize)``; a region may be longer). Source token ``s`` is row ``s % C`` of source
+    region ``s // C``; destination region ``j`` gets output chunk ``dst_ids[j]``, whose
+    token ``t`` takes source token ``idx[t]`` (int64 ``[n_out]``) on every plane and layer.
+    ``rotary_dim > 0``: plane 0's rows turned by ``cos`` / ``sin`` ``[n_out, rotary_dim /
+    2]`` of their output token, as :func:`rope_gather` (``dtype`` "bfloat16" / "float32");
+    else bytes are copied. Owners (a :class:`Mapping` or None per region, or None) are
+    pinned and must contain their regions. On the copy pool without the GIL.
+
+    Raises:
+        ValueError: A region smaller than a chunk, ids not one per destination, repeated
+            or past the index, an index value outside ``[0, n_src * C)``, a destination
+            overlapping a source, another destination or a table, a closed or foreign
+            owner, a bad rotation geometry or table span, a size overflow (before any byte
+            moves).
+    """
+
 def window_scores(q: Span, k: Span, out: Span, layers: int, tokens: int, tq: int,
                   n_kv: int, group: int, head_dim: int, window: int, at_end: bool,
                   scale: float) -> None:

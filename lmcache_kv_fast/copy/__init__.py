@@ -1,8 +1,9 @@
 """Chunk scatter/gather between KV tensors and server-side chunk regions.
 
 Two backends expose the same function list (``open_segment``, ``scatter``, ``gather``,
-``alloc_result``, ``reserve_results``, ``release_results``, ``set_threads``,
-``get_threads``): ``native`` (the C++ core) and ``torch`` (reference and fallback).
+``fused_rows``, ``alloc_result``, ``reserve_results``, ``release_results``,
+``set_threads``, ``get_threads``): ``native`` (the C++ core) and ``torch`` (reference and
+fallback).
 :func:`backend` returns the live one.
 """
 

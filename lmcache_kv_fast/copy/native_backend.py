@@ -25,10 +25,11 @@ walks in lock step, 1..64; default 1 on AMD CPUs, 8 on others: ``csrc/copy_kerne
 from __future__ import annotations
 
 import logging
+import operator
 import threading
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -42,8 +43,17 @@ from lmcache_kv_fast.copy.base import (
     check_tensor_view,
     numel,
 )
+from lmcache_kv_fast.copy.fused_checks import (
+    ROTATION_DTYPES,
+    check_index,
+    check_rotation,
+    rotation_dtype,
+)
 from lmcache_kv_fast.copy.tensor_checks import check_destination, check_source
-from lmcache_kv_fast.errors import InvalidArgumentError
+from lmcache_kv_fast.errors import InvalidArgumentError, InvalidTypeError
+
+if TYPE_CHECKING:
+    from lmcache_kv_fast.copy.edit_kernels import Rotation
 
 logger = logging.getLogger(__name__)
 
@@ -262,6 +272,54 @@ def gather(dst: torch.Tensor, geom: ChunkGeometry, chunk_ids: Sequence[int],
         ValueError: Bad chunk ids or regions (nothing is copied then).
     """
     _copy("gather", dst, geom, chunk_ids, regions, col_offset, what)
+
+
+def _tensor_span(t: torch.Tensor) -> tuple[int, int, int]:
+    """``(storage address, storage bytes, byte offset of t)`` (zeros for no elements)."""
+    if t.numel() == 0:
+        return 0, 0, 0
+    st = t.untyped_storage()
+    return st.data_ptr(), st.nbytes(), t.data_ptr() - st.data_ptr()
+
+
+def fused_rows(src_regions: Sequence[Region], dst_chunk_ids: Sequence[int],
+               dst_regions: Sequence[Region], index: torch.Tensor, geom: ChunkGeometry,
+               rotation: Rotation | None = None, *, dtype: torch.dtype | None = None) -> None:
+    """Gather token rows from chunk regions straight into other chunk regions.
+
+    Source token ``s`` is row ``s % C`` of ``src_regions[s // C]``; ``dst_regions[j]``
+    receives output chunk ``dst_chunk_ids[j]``, whose token ``t`` (of ``index``'s
+    ``n_out``) takes source token ``index[t]``, on every plane and layer. With a
+    ``rotation`` (tables ``[n_out, rotary_dim / 2]``), plane 0's rows are re-rotated as
+    :func:`copy.edit_kernels.gather_tokens` does (bit for bit the torch math); ``dtype``
+    names the rows' type then (None: bfloat16 for itemsize 2, float32 for 4). One pass
+    on the copy threads without the GIL; regions as for :func:`scatter` (each at least
+    ``geom.chunk_nbytes``). Output chunks not named are not touched.
+
+    Raises:
+        InvalidTypeError: ``index`` or a table is not a tensor, an id not an int.
+        InvalidArgumentError: Bad index / tables / rotation geometry / dtype.
+        ValueError: Bad regions, ids (count, range, repeats), index values, overlapping
+            regions (before any byte moves).
+    """
+    index = check_index(index)
+    n_out = index.numel()
+    dt = rotation_dtype(rotation, geom, dtype)
+    empty = torch.empty(0, dtype=torch.float32)
+    cos, sin = check_rotation(rotation, geom, n_out) if rotation is not None else (empty, empty)
+    try:
+        ids = [int(operator.index(i)) for i in dst_chunk_ids]
+    except TypeError as err:
+        raise InvalidTypeError(f"fused_rows: destination chunk ids must be ints ({err})") from err
+    s_addrs, s_lens, s_owners, keep_s = _region_args(src_regions, "fused_rows: source")
+    d_addrs, d_lens, d_owners, keep_d = _region_args(dst_regions, "fused_rows: destination")
+    rot = (rotation.head_dim, rotation.rotary_dim, bool(rotation.interleaved)) \
+        if rotation is not None else (0, 0, False)
+    _native.fused_rows(
+        s_addrs, s_lens, s_owners, ids, d_addrs, d_lens, d_owners, _tensor_span(index), n_out,
+        (geom.planes, geom.layers, geom.chunk_tokens, geom.width, geom.itemsize),
+        _tensor_span(cos), _tensor_span(sin), *rot, ROTATION_DTYPES[dt] if dt else "")
+    del keep_s, keep_d
 
 
 def alloc_result(shape: Sequence[int], dtype: torch.dtype) -> torch.Tensor:

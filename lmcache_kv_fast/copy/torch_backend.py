@@ -13,6 +13,7 @@ import itertools
 import mmap
 import os
 from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -24,7 +25,18 @@ from lmcache_kv_fast.copy.base import (
     check_copy_threads,
     check_tensor_view,
 )
+from lmcache_kv_fast.copy.fused_checks import (
+    check_dst_chunk_ids,
+    check_index,
+    check_overlaps,
+    check_rotation,
+    rotation_dtype,
+)
 from lmcache_kv_fast.copy.tensor_checks import check_destination, check_source, check_storage
+from lmcache_kv_fast.errors import InvalidArgumentError
+
+if TYPE_CHECKING:
+    from lmcache_kv_fast.copy.edit_kernels import Rotation
 
 NAME = "torch"
 
@@ -163,6 +175,89 @@ def gather(dst: torch.Tensor, geom: ChunkGeometry, chunk_ids: Sequence[int],
     c, w = geom.chunk_tokens, geom.width
     for i, v in zip(chunk_ids, views, strict=True):
         d4[:, :, i * c:(i + 1) * c, col_offset:col_offset + w].copy_(v)
+
+
+def _chunk_views(regions: Sequence[Region], geom: ChunkGeometry, dtype: torch.dtype | None,
+                 what: str) -> list[torch.Tensor]:
+    """Each region's first chunk as ``[P, L, C, W]`` of ``dtype`` (None: bytes, W * itemsize)."""
+    views = []
+    for j, r in enumerate(regions):
+        if r.tensor is None:
+            raise InvalidArgumentError(f"fused_rows: {what} region {j} carries no tensor view")
+        if r.nbytes < geom.chunk_nbytes:
+            raise InvalidArgumentError(
+                f"fused_rows: {what} region {j} holds {r.nbytes} bytes, expected at least "
+                f"{geom.chunk_nbytes} (one {list(geom.object_shape())} x {geom.itemsize} chunk)")
+        check_storage(r.tensor, f"fused_rows: {what} region {j}")
+        flat = r.tensor.reshape(-1).view(torch.uint8)[:geom.chunk_nbytes]
+        shape = geom.object_shape()
+        views.append(flat.view(dtype).view(shape) if dtype is not None else
+                     flat.view(*shape[:3], geom.row_bytes))
+    return views
+
+
+def _rotate_plane(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                  rotation: Rotation) -> None:
+    """Rotate ``x`` ``[L, C, W]`` in place, row ``t`` by ``cos[t]``, ``sin[t]``.
+
+    The math of ``edits.rerotate`` (float32 ``mul``, then ``addcmul_``), so the bytes equal.
+    """
+    layers, count, width = x.shape
+    k = x.view(layers, count, width // rotation.head_dim, rotation.head_dim)
+    rd, half = rotation.rotary_dim, rotation.rotary_dim // 2
+    if rotation.interleaved:
+        x1, x2 = k[..., 0:rd:2], k[..., 1:rd:2]
+    else:
+        x1, x2 = k[..., :half], k[..., half:rd]
+    c, s = cos[:, None, :], sin[:, None, :]
+    a = x1.to(torch.float32)
+    b = x2.to(torch.float32)
+    n1 = a * c
+    n1.addcmul_(b, s, value=-1.0)
+    b.mul_(c).addcmul_(a, s)
+    x1.copy_(n1)
+    x2.copy_(b)
+
+
+def fused_rows(src_regions: Sequence[Region], dst_chunk_ids: Sequence[int],
+               dst_regions: Sequence[Region], index: torch.Tensor, geom: ChunkGeometry,
+               rotation: Rotation | None = None, *, dtype: torch.dtype | None = None) -> None:
+    """Gather token rows from chunk regions into other chunk regions (torch reference).
+
+    See the native backend's ``fused_rows``: the same bytes, the same checks (before any
+    byte moves), computed with ``index_select`` on the assembled source.
+
+    Raises:
+        InvalidTypeError: ``index`` or a table is not a tensor, an id not an int.
+        InvalidArgumentError: Bad index, tables, rotation, dtype, regions, ids, index
+            values or overlapping regions (also ValueErrors).
+    """
+    index = check_index(index)
+    n_out, c = index.numel(), geom.chunk_tokens
+    dt = rotation_dtype(rotation, geom, dtype)
+    tables = check_rotation(rotation, geom, n_out) if rotation is not None else None
+    ids = check_dst_chunk_ids(dst_chunk_ids, len(dst_regions), n_out, c)
+    srcs = _chunk_views(src_regions, geom, dt, "source")
+    dsts = _chunk_views(dst_regions, geom, dt, "destination")
+    check_overlaps([v.data_ptr() for v in srcs], [v.data_ptr() for v in dsts], geom.chunk_nbytes)
+    n_rows = len(srcs) * c
+    if n_out and (int(index.min()) < 0 or int(index.max()) >= n_rows):
+        bad = int(((index < 0) | (index >= n_rows)).nonzero()[0, 0])
+        raise InvalidArgumentError(
+            f"fused_rows: index {bad} is {int(index[bad])}, outside [0, {n_rows}) "
+            f"({len(srcs)} source chunks of {c} tokens)")
+    if not dsts:
+        return
+    full = torch.cat(srcs, dim=2)
+    outs = []
+    for i in ids:
+        out = full.index_select(2, index[i * c:(i + 1) * c])
+        if rotation is not None and tables is not None:
+            _rotate_plane(out[0], tables[0][i * c:(i + 1) * c], tables[1][i * c:(i + 1) * c],
+                          rotation)
+        outs.append(out)
+    for v, out in zip(dsts, outs, strict=True):
+        v.copy_(out)
 
 
 def alloc_result(shape: Sequence[int], dtype: torch.dtype) -> torch.Tensor:
