@@ -87,9 +87,11 @@ def build_parser() -> argparse.ArgumentParser:
                    help="CI-sized run (< 2 minutes; its target verdicts are only indicative)")
     g.add_argument("--workloads", default=",".join(DEFAULT_WORKLOADS),
                    help=f"subset of {','.join(DEFAULT_WORKLOADS)} (W5: --engine; W3P: W3 "
-                        "with the plain edit fn, no alloc), or W7 (only when named): rewrite "
-                        "with SnapKV + re-rotation at Llama-3.2-1B's geometry, batch.rewrite "
-                        "with the library edit vs upstream's loop with it in plain torch")
+                        "with the plain edit fn, no alloc), or W7 / W3F (only when named). W7: "
+                        "SnapKV + re-rotation at Llama-3.2-1B's geometry, batch.rewrite vs "
+                        "upstream's loop in plain torch. W3F: batch.rewrite of W3's sequences "
+                        "with W3P's plain fn vs the fused edits.drop_every(k) [+ llama3 rope] "
+                        "vs a flat memcpy of the input (native worker only)")
     g.add_argument("--engine", action="store_true",
                    help="run W5, the engine loop, instead: a real vLLM CPU engine (.venv-engine, "
                         "scripts/engine-venv.sh) prefills N prompts, the SDK retrieves per-token "
@@ -103,9 +105,10 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--w1-tokens", type=int)
     g.add_argument("--w2-layers", type=int)
     g.add_argument("--w2-ops", type=int)
-    g.add_argument("--w3-sequences", type=int, help="W3 and W3P sequences (W3P: W3 with the "
-                   "plain edit users write, kv.index_select(2, torch.tensor(keep)), given to "
-                   "batch.rewrite, this SDK's loop and upstream's loop alike; same sizes)")
+    g.add_argument("--w3-sequences", type=int, help="W3, W3P and W3F sequences (W3P: W3 with "
+                   "the plain edit users write, kv.index_select(2, torch.tensor(keep)), given "
+                   "to batch.rewrite, this SDK's loop and upstream's loop alike; W3F: that fn "
+                   "vs the fused library drop; same sizes)")
     g.add_argument("--w3-tokens", type=int)
     g.add_argument("--w3-reps", type=int)
     g.add_argument("--w3-drop-k", type=int)
@@ -215,7 +218,7 @@ def _main(args: argparse.Namespace, t_start: float) -> int:
     if bad:
         raise SystemExit(f"unknown workloads {bad}; choose from {','.join(WORKLOADS)}")
     s = resolve_sizes(args)
-    if ("W3" in workloads or "W3P" in workloads) and not args.l1_gb:
+    if any(w in workloads for w in ("W3", "W3P", "W3F")) and not args.l1_gb:
         _fit_w3(s, notes)
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
     threads = thread_list(args.threads, cores)

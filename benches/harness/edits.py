@@ -89,6 +89,50 @@ def plain_loop(ctx: Any, prompts: Sequence[Sequence[int]],
     return ok
 
 
+def dropped_tokens(tokens: Sequence[int], k: int) -> list[int]:
+    """``tokens`` without tokens ``k-1, 2k-1, ...`` (what every W3 edit keeps)."""
+    return [tok for i, tok in enumerate(tokens) if i % k != k - 1]
+
+
+# ---------------------------------------------------------------------------- W3F
+#: A Llama-3-8B-style ``config.json`` (Llama 3.1 8B's attention and RoPE): head_dim 128, so
+#: 8 KV heads in W3's D = 1024; llama3 frequency bands. W3F's fused drop re-rotates with it.
+LLAMA3_8B_CONFIG: dict[str, Any] = {
+    "model_type": "llama", "hidden_size": 4096, "num_attention_heads": 32,
+    "num_key_value_heads": 8, "head_dim": 128, "max_position_embeddings": 131072,
+    "rope_theta": 500000.0,
+    "rope_scaling": {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+                     "high_freq_factor": 4.0, "original_max_position_embeddings": 8192},
+}
+
+
+def llama3_8b_rope() -> dict[str, float]:
+    """:data:`LLAMA3_8B_CONFIG`'s RoPE in :func:`llama3_inv_freq`'s form."""
+    sc = LLAMA3_8B_CONFIG["rope_scaling"]
+    return {"rope_theta": LLAMA3_8B_CONFIG["rope_theta"], "factor": sc["factor"],
+            "low_freq_factor": sc["low_freq_factor"], "high_freq_factor": sc["high_freq_factor"],
+            "original_max_position_embeddings": sc["original_max_position_embeddings"],
+            "head_dim": LLAMA3_8B_CONFIG["head_dim"]}
+
+
+def rerotate_plain(k: Any, delta: Any, inv_freq: Any) -> Any:
+    """Keys ``k`` ``[L, T, D]`` rotated by ``delta[t]`` positions, in plain torch (float32).
+
+    ``rotate_half`` RoPE over heads of ``2 * len(inv_freq)``; rounded back to ``k``'s dtype.
+    """
+    import torch
+
+    head_dim = 2 * inv_freq.numel()
+    layers, count, width = k.shape
+    angle = delta.float()[:, None] * inv_freq[None, :]
+    cos = torch.cat([angle.cos()] * 2, -1)[:, None]
+    sin = torch.cat([angle.sin()] * 2, -1)[:, None]
+    x = k.float().view(layers, count, width // head_dim, head_dim)
+    half = head_dim // 2
+    rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
+    return (x * cos + rotated * sin).view(layers, count, width).to(k.dtype)
+
+
 # ---------------------------------------------------------------------------- W7
 #: Llama-3.2-1B's RoPE (``config.json``): what W7's edit re-rotates with.
 LLAMA32_1B_ROPE = {"rope_theta": 500000.0, "factor": 32.0, "low_freq_factor": 1.0,

@@ -10,7 +10,8 @@ __all__ = [
     "IC_KVF", "IC_TORCH", "IC_UP", "KVF_PICKLE", "KVF_T1", "KVF_TORCH", "UPSTREAM",
     "UPSTREAM_PICKLE", "UPSTREAM_T1", "W1_COPY_COLD", "W1_COPY_COLD_SHM", "W1_COPY_WARM",
     "W1_RET_COLD", "W1_RET_OUT", "W1_RET_WARM", "W1_STORE_COLD", "W1_STORE_WARM", "W2_COPY",
-    "W2_RET", "W2_STORE", "W3", "W3P", "W3P_BATCH", "W3P_SEQ", "W3_BATCH", "W3_SEQ", "W4_COPY",
+    "W2_RET", "W2_STORE", "W3", "W3F", "W3F_COPY", "W3F_DROP", "W3F_PLAIN", "W3F_ROPE", "W3P",
+    "W3P_BATCH", "W3P_SEQ", "W3_BATCH", "W3_SEQ", "W4_COPY",
     "W4_RET", "W4_STORE", "W7", "W7_BATCH", "W7_EDIT", "W7_LOOP", "W7_RET",
     "kvf_native", "roofline",
 ]
@@ -41,6 +42,13 @@ W3, W3_SEQ, W3_BATCH = "W3", "W3 rewrite sequential", "W3 rewrite batch"
 #: W3P: W3 with the issue's plain edit (``kv.index_select(2, torch.tensor(keep))``, no
 #: ``alloc``) for every contender, driven as one op ("W3P") like W3.
 W3P, W3P_SEQ, W3P_BATCH = "W3P", "W3P loop (plain fn)", "W3P batch (plain fn)"
+#: W3F: ``batch.rewrite`` with W3P's plain fn (the tensor path) vs the library's
+#: ``edits.drop_every`` (the fused path: rows slot to slot in the core), with and without a
+#: llama3 re-rotation, and a flat memcpy of the batch's input bytes (one sequence's bytes
+#: copied once per sequence, the copies' times summed), driven as one op.
+W3F, W3F_PLAIN = "W3F", "W3F batch (plain fn)"
+W3F_DROP, W3F_ROPE = "W3F batch (fused drop)", "W3F batch (fused drop+llama3)"
+W3F_COPY = "W3F memcpy (1 seq x N, summed)"
 W4_STORE, W4_RET, W4_COPY = "W4 store", "W4 retrieve", "W4 copy"
 #: W7: rewrite with SnapKV + re-rotation at Llama-3.2-1B's geometry, driven as one op:
 #: ``batch.rewrite`` with the library edit vs upstream's loop with the edit in plain torch,

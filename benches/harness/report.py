@@ -11,7 +11,17 @@ from collections.abc import Sequence
 from dataclasses import asdict
 from typing import Any
 
-from .names import IC_KVF, IC_TORCH, IC_UP, KVF_PICKLE, W2_COPY, W2_RET, W2_STORE, kvf_native
+from .names import (
+    IC_KVF,
+    IC_TORCH,
+    IC_UP,
+    KVF_PICKLE,
+    W2_COPY,
+    W2_RET,
+    W2_STORE,
+    W3F_COPY,
+    kvf_native,
+)
 from .sizes import HIDDEN, MiB, Sizes
 from .stats import Key, Row, fmt, roofline_ref, threads_of
 from .targets import Target
@@ -88,6 +98,11 @@ def print_table(rows: dict[Key, Row], records: dict[Key, dict[str, Any]],
           " upstream's drop-in retrieve is timed in the retrieve+out reps too, and its row counts"
           " both); both the median of per-rep ratios where the two ran in the same reps, else "
           "the ratio of medians", file=out)
+    if any(o == W3F_COPY for (_p, o) in records):
+        print("W3F: x roof = the flat memcpy of the batch's input bytes (one sequence's bytes "
+              "copied once per sequence between two pre-faulted buffers, summed) / the "
+              "rewrite, in the same rep; GB/s: a rewrite's retrieved + stored bytes, the "
+              "memcpy's input bytes", file=out)
 
 
 def print_latency(rows: dict[Key, Row], out: Any = None) -> None:

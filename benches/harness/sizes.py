@@ -27,6 +27,8 @@ def kv_nbytes(layers: int, tokens: int) -> int:
 class Sizes:
     """Workload sizes and repetitions (``--quick`` and the size flags fill it).
 
+    W3P and W3F run on W3's fields (``w3_*``).
+
     The defaults are the issue's sizes, the ones the targets are defined on
     (:func:`~.targets.reduced_sizes`). A new workload adds its fields here (and its
     ``--quick`` values to :data:`QUICK`).
@@ -87,6 +89,11 @@ class Sizes:
                                                                    self.w3_edit_tokens))
 
     @property
+    def w3_input_bytes(self) -> int:
+        """KV bytes a W3 rewrite reads: every seeded sequence (W3F's memcpy copies these)."""
+        return self.w3_sequences * self.w3_seq_bytes
+
+    @property
     def w3_resident_bytes(self) -> int:
         """L1 bytes a W3 contender keeps: the seeded sequences and their edits."""
         return self.w3_moved_bytes
@@ -118,7 +125,7 @@ QUICK = {"w1_tokens": 1024, "w2_ops": 20, "w2_warmup": 2, "w3_sequences": 3, "w3
 def shm_l1_gib(s: Sizes, workloads: Sequence[str]) -> float:
     """L1 (GiB) of the SHM server: >= 6x the largest request, W3's working set under 75 %."""
     need = 6 * max(s.w1_bytes, s.w2_bytes)
-    if "W3" in workloads or "W3P" in workloads:
+    if any(w in workloads for w in ("W3", "W3P", "W3F")):
         need = max(need, int(s.w3_resident_bytes / 0.75) + s.w3_seq_bytes)
     if "W7" in workloads:
         need = max(need, int(s.w7_moved_bytes / 0.75) + s.w7_seq_bytes)

@@ -122,6 +122,26 @@ def speedup(records: dict[Key, dict[str, Any]], a: Key, b: Key
     return statistics.median(rb["samples"]) / statistics.median(ra["samples"]), best, "medians"
 
 
+def time_ratio(records: dict[Key, dict[str, Any]], a: Key, b: Key
+               ) -> tuple[float | None, float | None, str]:
+    """``a``'s time over ``b``'s: ``(value, ratio of minima, method)``.
+
+    Paired like :func:`speedup` (the median over reps of ``a_i / b_i`` when both were timed
+    in the same driven op), else the ratio of medians.
+    """
+    ra, rb = records.get(a), records.get(b)
+    if not ra or not rb or not ra["samples"] or not rb["samples"]:
+        return None, None, ""
+    best = min(ra["samples"]) / min(rb["samples"])
+    during = set(ra.get("during") or [])
+    if len(during) == 1 and None not in during:
+        pa, pb = _by_rep(ra, *during), _by_rep(rb, *during)
+        common = sorted(set(pa) & set(pb))
+        if len(common) >= max(1, min(len(pa), len(pb)) // 2):
+            return statistics.median(pa[i] / pb[i] for i in common), best, "paired"
+    return statistics.median(ra["samples"]) / statistics.median(rb["samples"]), best, "medians"
+
+
 def add_ratios(rows: dict[Key, Row], records: dict[Key, dict[str, Any]],
                default_threads: int) -> None:
     """Fill each row's ratio to its roofline (fraction) and to upstream (speed-up)."""

@@ -15,7 +15,7 @@ from typing import Any
 
 from .names import kvf_native, roofline
 from .sizes import Sizes
-from .stats import Key, Row, fmt, roofline_ref, speedup
+from .stats import Key, Row, fmt, roofline_ref, speedup, time_ratio
 from .workloads import OPTIONAL_WORKLOADS, TARGET_ORDER, TargetSpec, workload
 
 
@@ -39,9 +39,11 @@ class Target:
 
     @property
     def status(self) -> str:
-        """PASS / MISS (on the median-based value) or n/a."""
+        """PASS / MISS (on the median-based value), info (no threshold) or n/a."""
         if self.value is None or not math.isfinite(self.value):
             return "n/a"
+        if not self.cmp:
+            return "info"
         return "PASS" if self._meets(self.value) else "MISS"
 
     @property
@@ -123,6 +125,16 @@ def _measure(spec: TargetSpec, a: Key, b: Key, rows: dict[Key, Row],
             ceiling = tb / fl if fl and tb else None
         v, best, how = speedup(records, a, b)
         return (v, best), how, ceiling
+    if spec.measure == "time":  # a's time over b's (lower is better)
+        v, best, how = time_ratio(records, a, b)
+        return (v, best), how, None
+    if spec.measure in ("growth", "rss_growth"):  # memory growth over one sequence's bytes
+        rec = records.get(a) or {}
+        field = "private_growth" if spec.measure == "growth" else "rss_anon_growth"
+        xs, per = rec.get(field) or [], rec.get("seq_bytes") or 0
+        if not xs or not per:
+            return (None, None), "max", None
+        return (max(xs) / per, min(xs) / per), "max", None
     if spec.measure == "p50":  # p50 of a over p50 of b (latency: lower is better)
         ceiling = None
         row_a, row_b = rows.get(a), rows.get(b)
@@ -186,8 +198,11 @@ def print_targets(targets: Sequence[Target], out: Any = None,
             indicative (the targets are defined on the issue's sizes).
     """
     out = out or sys.stdout
+    growth = any(tg.detail.endswith(" max") or tg.detail == "max" for tg in targets)
     print("\ntargets (value: median of per-rep ratios when both sides ran in the same reps "
-          "(paired), else ratio of medians; [ratio of minima])", file=out)
+          "(paired), else ratio of medians; [ratio of minima]"
+          + ("; growth: the largest of the runs [the smallest]; info: no verdict"
+             if growth else "") + ")", file=out)
     if reduced:
         print("INDICATIVE ONLY: this run's sizes are below the ones the targets are defined on "
               f"({', '.join(reduced[:4])}{', ...' if len(reduced) > 4 else ''}); run "
@@ -197,13 +212,15 @@ def print_targets(targets: Sequence[Target], out: Any = None,
         val = f"{fmt(tg.value, '.3f'):>7s} [{fmt(tg.best, '.3f'):>6s}]"
         how = tg.detail.rsplit(" ", 1)[-1] if tg.detail else ""
         ceil = f"ceiling {fmt(tg.ceiling, '.3f'):>6s}" if tg.ceiling is not None else ""
-        print(f"{tg.status:5s} {tg.name:62s} {val} {tg.cmp} {tg.threshold:<4g} {how:8s} {ceil}",
-              file=out)
+        bound = f"{tg.cmp} {tg.threshold:<4g}" if tg.cmp else f"{'':7s}"
+        print(f"{tg.status:5s} {tg.name:62s} {val} {bound} {how:8s} {ceil}", file=out)
     n_pass = sum(tg.status == "PASS" for tg in targets)
     n_miss = sum(tg.status == "MISS" for tg in targets)
+    n_info = sum(tg.status == "info" for tg in targets)
     beyond = sum(tg.status == "MISS" and tg.reachable is False for tg in targets)
     print(f"{n_pass} PASS, {n_miss} MISS ({beyond} of them beyond their ceiling), "
-          f"{len(targets) - n_pass - n_miss} n/a"
+          + (f"{n_info} info, " if n_info else "")
+          + f"{len(targets) - n_pass - n_miss - n_info} n/a"
           + (" -- indicative only (reduced sizes, see above)" if reduced else ""), file=out)
     print("ceiling: the value this run allows a client whose own work is free, from medians: "
           "only the server's replies (this SDK's waits: round trips + server processing) plus "

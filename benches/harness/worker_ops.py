@@ -402,10 +402,18 @@ def edit_rewrite_state(w: Worker, d: Driven, variants: Sequence[Variant]) -> OpS
                    end=end)
 
 
+def fused_rewrite_state(w: Worker, d: Driven, variants: Sequence[Variant]) -> OpState:
+    """W3F: :func:`.w3f.fused_rewrite_state` (imported here: :mod:`.w3f` imports this module)."""
+    from .w3f import fused_rewrite_state as build
+
+    return build(w, d, variants)
+
+
 #: The builder of each ``Driven.action``.
 BUILDERS: dict[str, Callable[[Worker, Driven, Sequence[Variant]], OpState]] = {
     "store": transfer_state,
     "retrieve": transfer_state,
     "rewrite": rewrite_state,
     "edit_rewrite": edit_rewrite_state,
+    "fused_rewrite": fused_rewrite_state,
 }

@@ -46,6 +46,11 @@ from .names import (
     W3,
     W3_BATCH,
     W3_SEQ,
+    W3F,
+    W3F_COPY,
+    W3F_DROP,
+    W3F_PLAIN,
+    W3F_ROPE,
     W3P,
     W3P_BATCH,
     W3P_SEQ,
@@ -86,7 +91,7 @@ class Driven:
     Attributes:
         name: The op (also the record's op, unless said otherwise below).
         action: What a worker does in it: the builder in :data:`.worker_ops.BUILDERS`
-            (``store``, ``retrieve``, ``rewrite``, ``edit_rewrite``).
+            (``store``, ``retrieve``, ``rewrite``, ``edit_rewrite``, ``fused_rewrite``).
         roof: The op the roofline copy timed along in its reps is recorded under (None:
             no roofline copy).
         cold: ``store``: into fresh L1 pages (punched first), its roofline copy into
@@ -119,12 +124,16 @@ class TargetSpec:
     Attributes:
         name: Its line in the targets section.
         measure: ``speed`` (how many times faster ``a`` is than ``b``: paired per rep
-            when both ran in the same reps, else the ratio of medians), ``p50`` (``a``'s
-            median over ``b``'s), ``ic_total`` (this SDK's import+connect over upstream's)
-            or ``ic_own`` (this SDK's import+connect beyond ``import torch``, seconds).
+            when both ran in the same reps, else the ratio of medians), ``time`` (``a``'s
+            time over ``b``'s, paired the same way), ``p50`` (``a``'s median over ``b``'s),
+            ``growth`` (the largest private memory growth of ``a``'s runs over the bytes
+            of one sequence, ``a``'s record's ``private_growth`` and ``seq_bytes``;
+            ``rss_growth``: of its ``rss_anon_growth``),
+            ``ic_total`` (this SDK's import+connect over upstream's) or ``ic_own`` (this
+            SDK's import+connect beyond ``import torch``, seconds).
         a: (path, op) measured; the path may be :data:`OURS` or :data:`ROOF`.
         b: (path, op) it is compared with.
-        cmp: ``>=`` or ``<=``.
+        cmp: ``>=`` or ``<=``; ``""``: reported, no verdict (``info``).
         threshold: The value to reach.
         detail: Shown in the JSON (placeholders as in ``a``), before the method.
         ceiling: Also compute the ceiling (server waits + a flat memcpy) of ``a``.
@@ -286,6 +295,50 @@ W3P_WORKLOAD = Workload(
     ),
 )
 
+# ---------------------------------------------------------------------------- W3F
+def _w3f_plan(g: PathGroups) -> dict[str, list[Variant]]:
+    plan = _w3_plan(g)
+    return {W3F: plan[W3]} if W3 in plan and g.kind == "native" else {}
+
+
+#: The fused rewrite: ``batch.rewrite`` of W3's sequences (``--w3-*`` sizes, each
+#: contender on freshly seeded sequences) with W3P's plain fn (the tensor path: retrieve ->
+#: fn -> store), with ``edits.drop_every(k)`` and with ``edits.drop_every(k, rope=<llama3 of
+#: a Llama-3-8B-style config>)`` (the fused path: each kept row once from the read slots
+#: into the reserved store slots in the core, K re-rotated on the way), and a flat memcpy of
+#: the batch's input bytes (one sequence's bytes between two pre-faulted buffers, once per
+#: sequence, summed; recorded under the roofline path), all in the same reps. Only this
+#: SDK's native worker runs it. Each timed rep repeats the rewrites untimed while a thread
+#: samples the worker's private memory (``smaps_rollup``, every ~5 ms); the first timed rep
+#: reads every fused rewrite back against the library's edit of the seeded KV on a tensor.
+W3F_WORKLOAD = Workload(
+    name="W3F",
+    ops=(W3F_PLAIN, W3F_DROP, W3F_ROPE, W3F_COPY),
+    driven=(Driven(W3F, "fused_rewrite", roof=W3F_COPY, ping=False,
+                   records=(W3F_PLAIN, W3F_DROP, W3F_ROPE)),),
+    reps=lambda s: (s.w3_warmup, s.w3_reps),
+    plan=_w3f_plan,
+    shape=lambda s: (2, s.w1_layers, s.w3_tokens, HIDDEN),
+    targets=(
+        TargetSpec("W3F fused drop vs plain fn (both batch.rewrite)", "speed", (OURS, W3F_DROP),
+                   (OURS, W3F_PLAIN), ">=", 2.0, OURS),
+        TargetSpec("W3F fused drop+llama3 vs plain fn (both batch.rewrite)", "speed",
+                   (OURS, W3F_ROPE), (OURS, W3F_PLAIN), ">=", 1.5, OURS),
+        TargetSpec("W3F fused drop time / flat memcpy of the input", "time", (OURS, W3F_DROP),
+                   (ROOF, W3F_COPY), "<=", 3.0, f"{OURS} / {ROOF}"),
+        TargetSpec("W3F fused drop+llama3 time / flat memcpy of the input", "time",
+                   (OURS, W3F_ROPE), (ROOF, W3F_COPY), "", 0.0, f"{OURS} / {ROOF}"),
+        TargetSpec("W3F fused drop: private growth / one sequence's KV", "growth",
+                   (OURS, W3F_DROP), cmp="<=", threshold=0.5, detail=OURS),
+        TargetSpec("W3F fused drop: anon RSS growth (statm, 1 ms) / one sequence", "rss_growth",
+                   (OURS, W3F_DROP), cmp="", detail=OURS),
+        TargetSpec("W3F fused drop+llama3: private growth / one sequence's KV", "growth",
+                   (OURS, W3F_ROPE), cmp="", detail=OURS),
+        TargetSpec("W3F plain fn: private growth / one sequence's KV", "growth",
+                   (OURS, W3F_PLAIN), cmp="", detail=OURS),
+    ),
+)
+
 # ---------------------------------------------------------------------------- W7
 def _w7_plan(g: PathGroups) -> dict[str, list[Variant]]:
     plan = _w3_plan(g)
@@ -351,22 +404,25 @@ W5_WORKLOAD = Workload(name="W5")
 #: Workloads that need a real engine (only with ``--engine``; not in the default list).
 ENGINE_WORKLOADS: tuple[str, ...] = ("W5",)
 #: Workloads run only when named (``--workloads W7``): not in the default list.
-OPTIONAL_WORKLOADS: tuple[str, ...] = ("W7",)
+OPTIONAL_WORKLOADS: tuple[str, ...] = ("W3F", "W7")
 
 # ---------------------------------------------------------------------------- registry
 #: Every workload, in table and driving order.
 REGISTRY: tuple[Workload, ...] = (W1_WORKLOAD, W2_WORKLOAD, W3_WORKLOAD, W3P_WORKLOAD,
-                                  W4_WORKLOAD, IC_WORKLOAD, W5_WORKLOAD, W7_WORKLOAD)
+                                  W3F_WORKLOAD, W4_WORKLOAD, IC_WORKLOAD, W5_WORKLOAD,
+                                  W7_WORKLOAD)
 #: The order of the targets section (W3's targets have always come last); new ones append.
-TARGET_ORDER: tuple[str, ...] = ("W1", "W2", "W4", "IC", "W3", "W3P", "W7")
+TARGET_ORDER: tuple[str, ...] = ("W1", "W2", "W4", "IC", "W3", "W3P", "W7", "W3F")
 
 WORKLOADS = tuple(w.name for w in REGISTRY)
 #: The table's rows, in order.
 OP_ORDER = [op for w in REGISTRY for op in w.ops]
 #: Ops the orchestrator drives, in order; roofline copies ride along as extra variants.
 GLOBAL_OPS = [d.name for w in REGISTRY for d in w.driven]
-#: The roofline copy timed within each op (recorded under this op name).
-ROOF_OP = {d.name: d.roof for w in REGISTRY for d in w.driven if d.roof is not None}
+#: The roofline copy timed within each op (recorded under this op name); an op whose reps
+#: record several ops (``Driven.records``) maps each of them to it too.
+ROOF_OP = {op: d.roof for w in REGISTRY for d in w.driven if d.roof is not None
+           for op in (d.name, *d.records)}
 #: The upstream op a row compares against, where not its own op.
 UPSTREAM_OP = {k: v for w in REGISTRY for k, v in w.refs.items()}
 

@@ -404,3 +404,86 @@ def test_bench_w7_quick_json(tmp_path: Path) -> None:
                  "W7 SnapKV+rope: edit / retrieve of one sequence"):
         assert targets[name]["value"] > 0, targets[name]
         assert name in p.stdout
+
+
+def test_w3f_time_ratio_growth_and_info_targets() -> None:
+    """W3F's targets: a paired time ratio, the largest memory growth, info lines without verdict."""
+    from benches.harness import cli, edits, helpers, names, report, sizes, stats  # noqa: F401
+    from benches.harness import targets as bt
+
+    ours, roof, seq = names.kvf_native(2), names.roofline(2), 256 << 20
+
+    def rec(path: str, op: str, xs: list[float], **extra: object) -> dict:
+        return {"path": path, "op": op, "nbytes": 1 << 30, "samples": xs, "reps": [0, 1],
+                "during": [names.W3F] * 2, "phases": [], "failures": 0, **extra}
+
+    records = {
+        (ours, names.W3F_PLAIN): rec(ours, names.W3F_PLAIN, [1.2, 1.0]),
+        (ours, names.W3F_DROP): rec(ours, names.W3F_DROP, [0.5, 0.5], seq_bytes=seq,
+                                    private_growth=[1 << 20, 64 << 20],
+                                    rss_anon_growth=[0, 1 << 20]),
+        (ours, names.W3F_ROPE): rec(ours, names.W3F_ROPE, [0.6, 0.5]),
+        (roof, names.W3F_COPY): rec(roof, names.W3F_COPY, [0.25, 0.2]),
+    }
+    rows = stats.rows_of(records)
+    stats.add_ratios(rows, records, 2)
+    assert rows[(ours, names.W3F_DROP)].x_roofline == pytest.approx((0.5 + 0.4) / 2)
+    got = {t.name: t for t in bt.compute_targets(rows, records, {}, 2) if "W3F" in t.name}
+    assert len(got) == 8
+    drop = got["W3F fused drop vs plain fn (both batch.rewrite)"]
+    assert drop.value == pytest.approx(2.2) and drop.status == "PASS"
+    memcpy = got["W3F fused drop time / flat memcpy of the input"]
+    assert memcpy.value == pytest.approx((2.0 + 2.5) / 2) and memcpy.best == pytest.approx(2.5)
+    assert memcpy.detail.endswith("paired") and memcpy.status == "PASS"
+    growth = got["W3F fused drop: private growth / one sequence's KV"]
+    assert (growth.value, growth.best, growth.status) == (0.25, 1 / 256, "PASS")
+    assert got["W3F fused drop+llama3 time / flat memcpy of the input"].status == "info"
+    assert got["W3F plain fn: private growth / one sequence's KV"].status == "n/a"
+    buf = io.StringIO()
+    bt.print_targets(list(got.values()), buf)
+    assert "info  W3F fused drop+llama3 time" in buf.getvalue()
+    assert "4 PASS, 0 MISS (0 of them beyond their ceiling), 2 info, 2 n/a" in buf.getvalue()
+    # W3F is only run when named, and sizes its L1 like W3
+    assert "W3F" not in cli.DEFAULT_WORKLOADS
+    s = sizes.Sizes()
+    assert sizes.shm_l1_gib(s, ["W3F"]) == sizes.shm_l1_gib(s, ["W3"]) > sizes.shm_l1_gib(s, [])
+
+
+@pytest.mark.timeout(360)
+def test_bench_w3f_quick_json(tmp_path: Path) -> None:
+    """``bench --quick --workloads W3F``: plain fn, both fused drops and the memcpy, checked."""
+    out = tmp_path / "w3f.json"
+    p = subprocess.run(
+        [sys.executable, "-m", "lmcache_kv_fast", "bench", "--quick", "--no-progress",
+         "--workloads", "W3F", "--no-torch-backend", "--no-upstream", "--json", str(out)],
+        capture_output=True, text=True, timeout=300, env=_bench_env(), cwd=tmp_path,
+        stdin=subprocess.DEVNULL,
+    )
+    assert p.returncode == 0, f"stdout:\n{p.stdout[-4000:]}\nstderr:\n{p.stderr[-4000:]}"
+    doc = json.loads(out.read_text())
+    assert not doc["errors"]
+    n, seqs = doc["default_threads"], doc["sizes"]["w3_sequences"]
+    records = {(r["path"], r["op"]): r for r in doc["records"]}
+    ours = f"kvfast-native-{n}t"
+    for path, op, fused in [(ours, "W3F batch (plain fn)", 0),
+                            (ours, "W3F batch (fused drop)", seqs),
+                            (ours, "W3F batch (fused drop+llama3)", seqs),
+                            (f"roofline-{n}t", "W3F memcpy (1 seq x N, summed)", None)]:
+        rec = records[(path, op)]
+        assert _positive(rec["samples"]) and rec["failures"] == 0, (path, op, rec["note"])
+        assert op in p.stdout
+        if fused is not None:  # every sequence on the path it should take; memory sampled
+            assert rec["fused"] == [fused] * len(rec["samples"]), rec["fused"]
+            assert len(rec["private_growth"]) == len(rec["samples"]), rec
+            assert rec["mem_samples"][0] >= 1 and rec["seq_bytes"] > 0
+    info = next(i for i in doc["workers"] if i.get("worker") == "native")
+    assert info["W3F_drop_readback_exact"] is True, info.get("W3F_drop_readback")
+    rope = info["W3F_drop+llama3_readback"]
+    assert rope["failure"] == "" and rope["v_exact"] and rope["k_close"], rope
+    assert rope["sequences"] == seqs and rope["plain_torch_max_abs"] <= 2 ** -5, rope
+    assert "native.W3F_drop_readback_exact=True" in p.stdout
+    targets = {t["name"]: t for t in doc["targets"] if t["name"].startswith("W3F")}
+    assert len(targets) == 8
+    for t in targets.values():
+        assert t["status"] in ("PASS", "MISS", "info") and math.isfinite(t["value"]), t
+    assert targets["W3F fused drop vs plain fn (both batch.rewrite)"]["detail"].endswith("paired")
