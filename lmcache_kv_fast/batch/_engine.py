@@ -33,6 +33,7 @@ from typing import Any
 
 import torch
 
+from lmcache_kv_fast.batch._fused import FusedPath
 from lmcache_kv_fast.batch._liveness import ServerWatch
 from lmcache_kv_fast.batch._policy import EditPolicy, EditRunner
 from lmcache_kv_fast.batch._pools import OutputPool
@@ -186,6 +187,7 @@ class RewriteEngine:
         self._pending_lock = threading.Lock()
         self.pooled_outputs = 0
         self._watch = ServerWatch(ctx)
+        self.fused = FusedPath(ctx, fetch is None and store is None)
 
     # ------------------------------------------------------------------ buffers
     def _new_out_pool(self) -> OutputPool:
@@ -272,9 +274,24 @@ class RewriteEngine:
         kv = self.ctx.retrieve(toks, salt, out=it.buf)
         return kv, toks
 
+    def _stage_fused(self, it: Item, fn: Callable[..., Any]) -> None:
+        """The whole item on this I/O thread: its rows slot to slot (batch/_fused.py)."""
+        salt = self.salt if it.salt is None else it.salt
+        try:
+            self.fused.run(it.item, fn, salt, it.res)
+        except Exception as err:
+            return self._failed(it, self.fused.failed_stage(it.res), err)
+        except BaseException as err:  # pragma: no cover - interrupt on an I/O thread
+            self._interrupted()
+            return self._finish(it, err)
+        return self._finish(it)
+
     def _stage_fetch(self, it: Item) -> None:
         if self._halted():
             return self._not_started(it)
+        fn = self.fn if it.fn is None else it.fn
+        if it.store_step is None and self.fused.takes(fn):
+            return self._stage_fused(it, fn)
         res = it.res
         t = time.perf_counter()
         try:
@@ -351,7 +368,7 @@ class RewriteEngine:
             return self._finish(it, err)
         res.stages["store"] = time.perf_counter() - t
         res.add_store(it.new_kv, r)  # type: ignore[arg-type]
-        res.value = list(it.new_toks)
+        res.value, res.path = list(it.new_toks), "tensor"
         return self._finish(it)
 
     def _interrupted(self) -> None:

@@ -46,6 +46,9 @@ class BatchReport:
         peak_in_flight: Most items alive at once.
         pooled_outputs: Outputs of ``fn`` served from the warm result pool
             (``rewrite(..., pool_outputs=True)``) instead of fresh memory.
+        fused: Rewritten items whose rows went slot to slot (a library edit the core
+            runs, ``docs/batch.md``).
+        tensor: Rewritten items that ran retrieve -> fn -> store on tensors.
     """
 
     items: int = 0
@@ -62,6 +65,15 @@ class BatchReport:
     errors: list[ItemError] = field(default_factory=list)
     peak_in_flight: int = 0
     pooled_outputs: int = 0
+    fused: int = 0
+    tensor: int = 0
+
+    @property
+    def path(self) -> str:
+        """How the rewrite ran: ``"fused"``, ``"tensor"``, ``"mixed"`` ("" for no rewrite)."""
+        if self.fused and self.tensor:
+            return "mixed"
+        return "fused" if self.fused else "tensor" if self.tensor else ""
 
     @property
     def gbps(self) -> float:
@@ -80,6 +92,7 @@ class BatchReport:
             f"peak in flight {self.peak_in_flight}"
             + (f"; {self.pooled_outputs} edit outputs from the warm pool"
                if self.pooled_outputs else "")
+            + (f"; path {self.path} ({self.fused} fused)" if self.path else "")
         )
 
     def _add(self, other: ItemResult) -> None:
@@ -88,6 +101,8 @@ class BatchReport:
         self.bytes_moved += other.nbytes
         for k, v in other.stages.items():
             self.stage_seconds[k] += v
+        self.fused += other.path == "fused"
+        self.tensor += other.path == "tensor"
         if other.status == "ok":
             self.ok += 1
         else:
@@ -110,6 +125,9 @@ class ItemResult:
     nbytes: int = 0
     stages: dict[str, float] = field(default_factory=dict)
     value: Any = None
+    #: How a rewrite ran: ``"fused"`` (rows slot to slot), ``"tensor"`` (retrieve -> fn ->
+    #: store on tensors); ``""`` for other batch operations.
+    path: str = ""
     #: The exception of a failure (``item_failed``), until the engine looked at it.
     error: BaseException | None = field(default=None, repr=False, compare=False)
 

@@ -37,12 +37,13 @@ from lmcache_kv_fast.client.handshake import handshake
 from lmcache_kv_fast.client.lookup import cached_tokens
 from lmcache_kv_fast.client.read_hints import ReadHints
 from lmcache_kv_fast.client.retrieve import RetrieveFlow
+from lmcache_kv_fast.client.rewrite import Planner, RewriteFlow, RowsRewritten, TensorEdit
 from lmcache_kv_fast.client.session import (
     Session,
 )
 from lmcache_kv_fast.client.store import StoreFlow
 from lmcache_kv_fast.client.store_hooks import run_store_hooks
-from lmcache_kv_fast.errors import InvalidArgumentError, InvalidTypeError
+from lmcache_kv_fast.errors import InvalidArgumentError, InvalidTypeError, KVCacheSDKError
 from lmcache_kv_fast.layout import CpuEngineKV, KVLayout
 from lmcache_kv_fast.protocol.ops import Generation
 from lmcache_kv_fast.results import OpTiming, StoreResult
@@ -130,6 +131,7 @@ class LMCacheKVCacheContext:
         self._hints = ReadHints(s, bool(read_hints))
         self._retrieval = RetrieveFlow(s, self._hints)
         self._storing = StoreFlow(s, self._hints)
+        self._rewriting = RewriteFlow(s, self._retrieval, self._storing)
         try:
             if copy_threads is not None:
                 s.backend.set_threads(copy_threads)
@@ -393,6 +395,56 @@ class LMCacheKVCacheContext:
         if result.tokens_stored:  # announced by events/ (the server records no event for it)
             run_store_hooks(self, toks, salt, result.tokens_stored // s.chunk_size)
         return result
+
+    @property
+    def rewrites_rows(self) -> bool:
+        """Whether :meth:`rewrite_rows` runs here (SHM plane, per-token chunks, fused_rows).
+
+        Not on the inline plane nor for a CPU engine's rows.
+        """
+        s = self._session
+        return s.shm is not None and s.engine_kv is None and \
+            hasattr(s.backend, "fused_rows")
+
+    def rewrite_rows(self, tokens: Sequence[int], planner: Planner, apply: TensorEdit,
+                     cache_salt: str = "", *, request_configs: dict[str, Any] | None = None,
+                     stages: dict[str, float] | None = None) -> RowsRewritten | None:
+        """Rewrite the cached prefix of ``tokens`` slot to slot (``batch.rewrite``'s fused path).
+
+        The prefix is read-locked; ``planner(hit_tokens)`` (``edits.row_plan``) says which
+        row goes where and how K turns; the rows move once from the read slots into the
+        new sequence's reserved ones; the store is committed, then the reads released.
+        ``apply(kv, hit_tokens)`` is the same edit on a tensor, used only when the plan
+        does not fit the core or a late reservation needs a snapshot. ``stages`` gets the
+        seconds of each stage as it ends (``retrieve``, ``fn``, ``store``, ``copy``).
+
+        Returns:
+            What was done (:class:`~lmcache_kv_fast.client.rewrite.RowsRewritten`), or None
+            when nothing of ``tokens`` is cached.
+
+        Raises:
+            KVCacheSDKError: Not available on this context (:attr:`rewrites_rows`); an
+                ``EditError`` when the planner or the edit raised; server errors as a
+                retrieve / store.
+        """
+        t0 = time.perf_counter()
+        s = self._session
+        s.check_process()
+        if not self.rewrites_rows:
+            raise KVCacheSDKError("rewrite_rows needs the SHM plane, per-token chunks and a "
+                                  "backend with fused_rows (see rewrites_rows)")
+        toks = normalize_tokens(tokens)
+        salt = check_salt(cache_salt)
+        n_tok = len(toks) // s.chunk_size * s.chunk_size
+        if n_tok == 0:
+            return None
+        rc = check_request_configs(request_configs)
+        done = self._rewriting.rewrite(toks[:n_tok], salt, planner, apply, rc, t0,
+                                       {} if stages is None else stages)
+        if done is not None and done.stored.chunks_written:
+            new = [int(x) for x in done.tokens][: done.stored.chunks_total * s.chunk_size]
+            run_store_hooks(self, new, salt, done.stored.tokens_stored // s.chunk_size)
+        return done
 
     def clear(self, force: bool = False) -> None:
         """Clear the server's L1 cache: every model's KV, not only this context's.

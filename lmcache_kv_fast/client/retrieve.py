@@ -16,10 +16,11 @@ prepared or frees the lookup locks of one that was not, and ends the session.
 
 from __future__ import annotations
 
+import contextlib
 import time
 import warnings
-from collections.abc import Hashable, Sequence
-from typing import TYPE_CHECKING, Any
+from collections.abc import Callable, Hashable, Iterator, Sequence
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import torch
 
@@ -37,6 +38,8 @@ from lmcache_kv_fast.transport.zmq_client import Channel, PendingCall
 
 if TYPE_CHECKING:
     from lmcache_kv_fast.client.session import Session
+
+_T = TypeVar("_T")
 
 
 class RetrieveFlow:
@@ -58,8 +61,24 @@ class RetrieveFlow:
     def retrieve(self, toks: list[int], salt: str, out: torch.Tensor | None,
                  rc: dict[str, Any] | None, t0: float) -> torch.Tensor | None:
         """Retrieve validated whole-chunk ``toks`` (see ``LMCacheKVCacheContext.retrieve``)."""
+
+        def fetch(ch: Channel, hit: list[int], rid: str, n: int, commits: list[list[Any]],
+                  key: tuple[str, int, int]) -> torch.Tensor | None:
+            return self._fetch(ch, hit, rid, salt, n, out, commits, key)
+
+        return self.with_prefix(toks, salt, rc, t0, "retrieve", fetch)
+
+    def with_prefix(self, toks: list[int], salt: str, rc: dict[str, Any] | None, t0: float,
+                    name: str, body: Callable[..., _T]) -> _T | None:
+        """Look up ``toks``' cached prefix and run ``body`` on it; release its reads after.
+
+        ``body(ch, hit_tokens, rid, n, commits, same_key)`` runs under the prefix's key lock
+        and appends the ``commit_retrieve`` payloads of the shards it read to ``commits``;
+        they are sent (not awaited) when it returns, and the session ends after them.
+        None when nothing is cached.
+        """
         s = self._s
-        with s.op(rc, name="retrieve", t0=t0) as ch:
+        with s.op(rc, name=name, t0=t0) as ch:
             rid = s.rid("r")
             commits: list[list[Any]] = []
             try:
@@ -69,7 +88,7 @@ class RetrieveFlow:
                 hit_toks = toks[: n * s.chunk_size]
                 with s.same_key(salt, hit_toks) as key:
                     try:
-                        return self._fetch(ch, hit_toks, rid, salt, n, out, commits, key)
+                        return body(ch, hit_toks, rid, n, commits, key)
                     finally:
                         if commits and self.defer_releases:  # under the key's lock
                             self._release_reads(commits, rid, key)
@@ -83,6 +102,75 @@ class RetrieveFlow:
                 # retrieve's session is ended by its late-reply settler
                 if not commits and not ch.retired:
                     s.end_session(ch, rid)
+
+    @contextlib.contextmanager
+    def reading(self, ch: Channel, toks: list[int], rid: str, salt: str, n: int,
+                commits: list[list[Any]], same_key: tuple[str, int, int]
+                ) -> Iterator[dict[int, list[Region]] | None]:
+        """Read-lock the ``n`` chunks of ``toks`` (SHM plane); yield each shard's regions.
+
+        Yields None when a shard was not prepared (nothing to read). The regions are valid
+        until the block ends; then the shards read go into ``commits`` (see
+        :meth:`with_prefix`) and the lookup locks of the others are freed.
+        """
+        s = self._s
+        ws = s.world_size
+        ranks = [0] if s.layout.planes == 1 else list(range(ws))
+        keys = {r: s.key(toks, 0, n * s.chunk_size, rid, salt, r) for r in range(ws)}
+        calls = {r: ch.send(Op.PREPARE_RETRIEVE, [keys[r], s.instance_id]) for r in ranks}
+        resps = self._prepared(ch, keys, rid, calls, ranks, n, same_key, None)
+        try:
+            if not all(resps[r].success for r in ranks):
+                yield None
+            else:
+                yield {r: self._regions(resps[r], n, "prepare_retrieve") for r in ranks}
+        finally:
+            self._settle_shards(ch, keys, resps, commits)
+
+    def _prepared(self, ch: Channel, keys: dict[int, CacheKey], rid: str,
+                  calls: dict[int, PendingCall], ranks: list[int], n: int,
+                  same_key: tuple[str, int, int], during: Callable[[], None] | None
+                  ) -> dict[int, PrepareRetrieveResponse]:
+        """Wait for every shard's ``prepare_retrieve`` (``during`` runs meanwhile).
+
+        A timeout retires the channel with the obligation to settle the late replies; any
+        other failure discards the calls and frees the lookup locks of every shard.
+        """
+        s = self._s
+        resps: dict[int, PrepareRetrieveResponse] = {}
+        try:
+            if during is not None:
+                during()
+            for r in ranks:
+                resps[r] = ch.wait(calls[r], PrepareRetrieveResponse)
+        except ServerTimeoutError:
+            ob = Obligation(f"retrieve {rid}: commit or free the read locks of {n} chunks "
+                            "and end its session",
+                            time.monotonic() + s.read_ttl_s + LATE_MARGIN_S, key=same_key)
+            ob.settler = self._late(ch, keys, rid, calls, resps, ranks)
+            s.late.adopt(ch, ob)
+            raise
+        except BaseException:
+            for r in ranks:
+                ch.discard(calls[r])
+            for r in range(s.world_size):
+                free_locks(s, ch, keys[r], r)
+            raise
+        return resps
+
+    def _settle_shards(self, ch: Channel, keys: dict[int, CacheKey],
+                       resps: dict[int, PrepareRetrieveResponse],
+                       commits: list[list[Any]]) -> None:
+        """Queue the commits of the shards prepared; free the lookup locks of the rest.
+
+        SHM: a commit releases the read lock of each object read; pickle: a no-op.
+        """
+        s = self._s
+        for r in range(s.world_size):
+            if r in resps and resps[r].success:
+                commits.append([keys[r], s.instance_id])
+            else:
+                free_locks(s, ch, keys[r], r)
 
     def _fetch(self, ch: Channel, toks: list[int], rid: str, salt: str, n: int,
                out: torch.Tensor | None, commits: list[list[Any]],
@@ -99,28 +187,16 @@ class RetrieveFlow:
         ranks = [0] if s.layout.planes == 1 else list(range(ws))
         keys = {r: s.key(toks, 0, hit, rid, salt, r) for r in range(ws)}
         calls = {r: ch.send(Op.PREPARE_RETRIEVE, [keys[r], s.instance_id]) for r in ranks}
-        resps: dict[int, PrepareRetrieveResponse] = {}
         hint_key = self._hints.key(same_key)
         dst: torch.Tensor | None = None
         early: dict[int, tuple[list[Slot], int]] = {}
-        try:
-            if hint_key is not None:  # copy while the server answers (hint checked below)
+
+        def read_early() -> None:  # copy while the server answers (hint checked below)
+            nonlocal dst, early
+            if hint_key is not None:
                 dst, early = self._hints.gather(ch, calls, hint_key, ranks, n, out)
-            for r in ranks:
-                resps[r] = ch.wait(calls[r], PrepareRetrieveResponse)
-        except ServerTimeoutError:
-            ob = Obligation(f"retrieve {rid}: commit or free the read locks of {n} chunks "
-                            "and end its session",
-                            time.monotonic() + s.read_ttl_s + LATE_MARGIN_S, key=same_key)
-            ob.settler = self._late(ch, keys, rid, calls, resps, ranks)
-            s.late.adopt(ch, ob)
-            raise
-        except BaseException:
-            for r in ranks:
-                ch.discard(calls[r])
-            for r in range(ws):
-                free_locks(s, ch, keys[r], r)
-            raise
+
+        resps = self._prepared(ch, keys, rid, calls, ranks, n, same_key, read_early)
         ok = all(resps[r].success for r in ranks)
         result: torch.Tensor | None = None
         try:
@@ -152,12 +228,7 @@ class RetrieveFlow:
                 s.tls.hinted, s.tls.rehinted = kept, redone
                 result = dst if out is None else out.narrow(-2, 0, hit)
         finally:
-            # SHM: commit releases the read lock of each object read; pickle: no-op.
-            for r in range(ws):
-                if r in resps and resps[r].success:
-                    commits.append([keys[r], s.instance_id])
-                else:
-                    free_locks(s, ch, keys[r], r)
+            self._settle_shards(ch, keys, resps, commits)
         return result
 
     def _late(self, ch: Channel, keys: dict[int, CacheKey], rid: str,

@@ -16,7 +16,7 @@ import logging
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 
@@ -42,6 +42,21 @@ logger = logging.getLogger(__name__)
 SETTLE_DELAYS_S = (0.005, 0.02, 0.05)
 #: A reservation is written and committed only within this fraction of the write TTL.
 WRITE_TTL_USE = 0.75
+
+
+class RowSource(Protocol):
+    """What a store writes from instead of a tensor: a fused rewrite's planned rows."""
+
+    #: Bytes of the KV it writes as a ``[P, L, T, D]`` tensor (a late snapshot's size).
+    nbytes: int
+
+    def write(self, rank: int, chunk_ids: list[int], regions: list[Region]) -> None:
+        """Write chunks ``chunk_ids`` of shard ``rank`` into ``regions`` (whole)."""
+        ...
+
+    def materialize(self) -> torch.Tensor:
+        """The KV it writes as a ``[P, L, T, D]`` tensor (for a late reservation)."""
+        ...
 
 
 @dataclass
@@ -76,8 +91,9 @@ class StoreFlow:
                 return self._store_shm(ch, src, toks, salt, n, key)
             return self._store_inline(ch, src, toks, salt, n)
 
-    def _store_shm(self, ch: Channel, src: torch.Tensor, toks: list[int], salt: str,
-                   n: int, same_key: tuple[str, int, int]) -> StoreResult:
+    def _store_shm(self, ch: Channel, src: torch.Tensor | RowSource, toks: list[int],
+                   salt: str, n: int, same_key: tuple[str, int, int]) -> StoreResult:
+        """Store into reserved SHM slots; ``src`` a tensor or a fused rewrite's rows."""
         s = self._s
         rid = s.rid("s")
         end = n * s.chunk_size
@@ -108,7 +124,7 @@ class StoreFlow:
             if todo:
                 self._check_age(calls[0].sent_at)  # before a byte goes into the slots
                 for p in todo:
-                    self._scatter(src, p, s.copy)
+                    self._fill(src, p)
                     s.tls.chunks = max(s.tls.chunks, len(p.idx))
                 self._check_age(calls[0].sent_at)  # the commit admits them
             for p in todo:
@@ -160,6 +176,33 @@ class StoreFlow:
             plans.append(_Plan(r, idx, regions, ctxt.slots))
         return plans
 
+    def store_locked(self, ch: Channel, src: torch.Tensor | RowSource, toks: list[int],
+                     salt: str, n: int, same_key: tuple[str, int, int]) -> StoreResult:
+        """Store ``n`` chunks under ``toks`` within a caller's operation (SHM, key locked)."""
+        return self._store_shm(ch, src, toks, salt, n, same_key)
+
+    def _fill(self, src: torch.Tensor | RowSource, p: _Plan) -> None:
+        """Write ``p``'s chunks from a tensor (scatter) or from a fused rewrite's rows."""
+        if isinstance(src, torch.Tensor):
+            return self._scatter(src, p, self._s.copy)
+        t0 = time.perf_counter()
+        try:
+            src.write(p.rank, p.idx, p.regions)
+        except OSError as err:
+            raise self._pool_error(len(p.idx), err) from err
+        finally:
+            self._s.tls.copy_s += time.perf_counter() - t0
+        return None
+
+    def _pool_error(self, chunks: int, err: OSError) -> KVCacheSDKError:
+        """The error of a failed write into the server's pool file."""
+        assert self._s.shm is not None
+        return KVCacheSDKError(
+            f"cannot write {chunks} chunks into the server's SHM pool "
+            f"/dev/shm/{self._s.shm.name}: {err}"
+            + (" (the file system holding /dev/shm is full)" if err.errno == errno.ENOSPC
+               else ""))
+
     def _scatter(self, src: torch.Tensor, p: _Plan, copy: Any) -> None:
         """Write the chunks ``p.idx`` of ``src`` into their reserved slots.
 
@@ -170,13 +213,7 @@ class StoreFlow:
         try:
             copy(s.backend.scatter, src, p.idx, p.regions, s.shard_cols[p.rank])
         except OSError as err:  # pwritev into the pool file (native backend)
-            assert s.shm is not None
-            raise KVCacheSDKError(
-                f"cannot write {len(p.idx)} chunks into the server's SHM pool "
-                f"/dev/shm/{s.shm.name}: {err}"
-                + (" (the file system holding /dev/shm is full)"
-                   if err.errno == errno.ENOSPC else "")
-            ) from err
+            raise self._pool_error(len(p.idx), err) from err
 
     def _check_age(self, reserved_after: float) -> None:
         """Refuse to write or commit a reservation that may have outlived its write TTL.
@@ -250,7 +287,7 @@ class StoreFlow:
         ob.pins_writer = False  # the server processed them: nothing pending
         self._s.end_session(ch, rid)
 
-    def _late_prepare(self, ch: Channel, src: torch.Tensor, n: int,
+    def _late_prepare(self, ch: Channel, src: torch.Tensor | RowSource, n: int,
                       keys: list[CacheKey], rid: str, calls: list[PendingCall],
                       resps: list[PrepareStoreResponse | None],
                       same_key: tuple[str, int, int]) -> None:
@@ -263,13 +300,15 @@ class StoreFlow:
         """
         s = self._s
         end = n * s.chunk_size
-        view = src.narrow(2, 0, end)
-        nbytes = view.numel() * view.element_size()
+        nbytes = src.narrow(2, 0, end).nbytes if isinstance(src, torch.Tensor) else src.nbytes
         # Created first: a reply arriving while the KV is cloned counts from now.
         ob = Obligation(f"store {rid} of {n} chunks: prepare_store answered late",
                         time.monotonic() + s.write_ttl_s + LATE_MARGIN_S, key=same_key,
                         pins_writer=True)
-        snap = view.clone() if s.late.take_snapshot_budget(nbytes) else None
+        snap = None
+        if s.late.take_snapshot_budget(nbytes):
+            snap = src.narrow(2, 0, end).clone() if isinstance(src, torch.Tensor) else \
+                src.materialize()
         if snap is not None:
             ob.snapshot_bytes = nbytes
         else:

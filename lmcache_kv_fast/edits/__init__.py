@@ -11,6 +11,7 @@ the rotation of its old position. See ``docs/edits.md``.
 from lmcache_kv_fast.edits._base import Selection, chain
 from lmcache_kv_fast.edits._config import rope_from_config
 from lmcache_kv_fast.edits._methods import keep_budget, keep_ratio, key_norm, rkv, snapkv
+from lmcache_kv_fast.edits._plan import RowPlan, plannable, row_plan
 from lmcache_kv_fast.edits._positional import drop_every, keep, streaming_llm
 from lmcache_kv_fast.edits._rerotate import rerotate
 from lmcache_kv_fast.edits._rope import ROPE_TYPES, RoPE
@@ -20,6 +21,7 @@ __all__ = [
     "AGGREGATES",
     "ROPE_TYPES",
     "RoPE",
+    "RowPlan",
     "Selection",
     "chain",
     "drop_every",
@@ -27,9 +29,11 @@ __all__ = [
     "keep_budget",
     "keep_ratio",
     "key_norm",
+    "plannable",
     "rerotate",
     "rkv",
     "rope_from_config",
+    "row_plan",
     "snapkv",
     "streaming_llm",
 ]

@@ -61,6 +61,20 @@ class Selection:
         """Sorted int64 indices of the tokens to keep (``kv`` is ``[2, L, T, D]``)."""
         raise NotImplementedError
 
+    @property
+    def planned(self) -> bool:
+        """Whether :meth:`positional` gives the kept indices (the KV is never read)."""
+        return False
+
+    def positional(self, count: int) -> torch.Tensor | None:
+        """The kept indices when the token count alone decides them, else None.
+
+        A selection that never reads the KV (explicit indices, every k-th, StreamingLLM,
+        evenly spaced or seeded-random picks) can be planned before its KV is read, so a
+        rewrite moves its rows straight from slot to slot (``edits.row_plan``).
+        """
+        return None
+
     def __call__(self, kv: Any, tokens: Sequence[int]) -> tuple[torch.Tensor, Any]:
         """Apply the edit: ``(kv, tokens) -> (kept kv, kept tokens)`` (new tensors).
 
@@ -90,5 +104,6 @@ def chain(*edits: EditFn) -> EditFn:
             out = e(*out)
         return out
 
+    chained.edits = edits  # type: ignore[attr-defined]  # what edits.row_plan composes
     chained.__name__ = "chain(" + ", ".join(getattr(e, "__name__", repr(e)) for e in edits) + ")"
     return chained

@@ -23,7 +23,13 @@ class Keep(Selection):
 
     def indices(self, kv: torch.Tensor, tokens: Sequence[int],
                 queries: torch.Tensor | None) -> torch.Tensor:
-        count = kv.shape[2]
+        return self.positional(kv.shape[2])
+
+    @property
+    def planned(self) -> bool:
+        return True
+
+    def positional(self, count: int) -> torch.Tensor:
         if self.index.numel() and int(self.index[-1]) >= count:
             raise InvalidArgumentError(f"keep: index {int(self.index[-1])} is out of range for "
                                        f"{count} tokens")
@@ -54,7 +60,14 @@ class DropEvery(Selection):
 
     def indices(self, kv: torch.Tensor, tokens: Sequence[int],
                 queries: torch.Tensor | None) -> torch.Tensor:
-        i = torch.arange(kv.shape[2], dtype=torch.int64)
+        return self.positional(kv.shape[2])
+
+    @property
+    def planned(self) -> bool:
+        return True
+
+    def positional(self, count: int) -> torch.Tensor:
+        i = torch.arange(count, dtype=torch.int64)
         return i[i % self.k != self.k - 1]
 
 
@@ -75,8 +88,15 @@ class StreamingLLM(Selection):
 
     def indices(self, kv: torch.Tensor, tokens: Sequence[int],
                 queries: torch.Tensor | None) -> torch.Tensor:
-        i = torch.arange(kv.shape[2], dtype=torch.int64)
-        return i[(i < self.sinks) | (i >= kv.shape[2] - self.window)]
+        return self.positional(kv.shape[2])
+
+    @property
+    def planned(self) -> bool:
+        return True
+
+    def positional(self, count: int) -> torch.Tensor:
+        i = torch.arange(count, dtype=torch.int64)
+        return i[(i < self.sinks) | (i >= count - self.window)]
 
 
 def streaming_llm(sinks: int, window: int, rope: RoPE | None = None) -> StreamingLLM:

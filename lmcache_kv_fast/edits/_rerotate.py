@@ -20,7 +20,7 @@ from lmcache_kv_fast.edits._inputs import as_positions, check_kv, heads
 from lmcache_kv_fast.edits._rope import RoPE
 from lmcache_kv_fast.errors import InvalidArgumentError, InvalidTypeError
 
-__all__ = ["gather_rerotated", "rerotate"]
+__all__ = ["gather_rerotated", "rerotate", "rotation_by"]
 
 
 def _check_rope(rope: object) -> RoPE:
@@ -117,6 +117,13 @@ def rerotate(kv: torch.Tensor, old_positions: Sequence[int] | torch.Tensor, rope
     return out
 
 
+def rotation_by(delta: torch.Tensor, rope: RoPE) -> Rotation:
+    """The native core's :class:`Rotation` turning each row by ``delta`` positions."""
+    cos, sin = _cos_sin(delta, rope)
+    return Rotation(cos[:, 0].contiguous(), sin[:, 0].contiguous(), rope.head_dim,
+                    rope.rotary_dim, rope.interleaved)
+
+
 def gather_rerotated(kv: torch.Tensor, idx: torch.Tensor, rope: RoPE | None) -> torch.Tensor:
     """``kv.index_select(2, idx)``, K re-rotated to ``0 .. n-1`` when ``rope`` is given.
 
@@ -126,9 +133,7 @@ def gather_rerotated(kv: torch.Tensor, idx: torch.Tensor, rope: RoPE | None) -> 
     """
     rotation = None
     if rope is not None and idx.numel():
-        cos, sin = _cos_sin(torch.arange(idx.numel(), dtype=torch.int64) - idx, rope)
-        rotation = Rotation(cos[:, 0].contiguous(), sin[:, 0].contiguous(), rope.head_dim,
-                            rope.rotary_dim, rope.interleaved)
+        rotation = rotation_by(torch.arange(idx.numel(), dtype=torch.int64) - idx, rope)
     wide = kv.dim() == 4 and (rope is None or kv.shape[-1] % rope.head_dim == 0)
     out = gather_tokens(kv, idx, rotation) if wide else None
     if out is not None:

@@ -103,16 +103,28 @@ class KeyScored(Selection):
     seed: int = 0
     rope: RoPE | None = None
 
-    def indices(self, kv: torch.Tensor, tokens: Sequence[int],
-                queries: torch.Tensor | None) -> torch.Tensor:
-        count = kv.shape[2]
+    @property
+    def planned(self) -> bool:
+        return self.score in ("uniform", "random")
+
+    def positional(self, count: int) -> torch.Tensor | None:
+        if not self.planned:
+            return None
         n = count_kept(count, self.ratio, self.budget)
         forced = _protected(count, self.sinks, self.recent)
         if self.score == "uniform":
             return _uniform(count, n, forced)
-        if self.score == "random":
-            gen = torch.Generator().manual_seed(self.seed)
-            return top_tokens(torch.rand(count, generator=gen), n, forced)
+        gen = torch.Generator().manual_seed(self.seed)
+        return top_tokens(torch.rand(count, generator=gen), n, forced)
+
+    def indices(self, kv: torch.Tensor, tokens: Sequence[int],
+                queries: torch.Tensor | None) -> torch.Tensor:
+        count = kv.shape[2]
+        planned = self.positional(count)
+        if planned is not None:
+            return planned
+        n = count_kept(count, self.ratio, self.budget)
+        forced = _protected(count, self.sinks, self.recent)
         if callable(self.score):
             s = self.score(kv, tokens)
             if not isinstance(s, torch.Tensor) or s.shape[-1] != count or s.dim() not in (1, 3):

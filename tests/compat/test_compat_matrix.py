@@ -29,6 +29,7 @@ import pytest
 import torch
 
 import lmcache_kv_fast.kvcache as lmc_sdk
+from lmcache_kv_fast import batch, edits
 from lmcache_kv_fast.protocol.ops import Op, generation_for
 from lmcache_kv_fast.testing import LMCacheServer
 from lmcache_kv_fast.transport import open_control
@@ -172,6 +173,12 @@ def test_ours_to_ours(setup: Setup) -> None:
         assert _same(ctx.retrieve(toks_s, cache_salt="tenant-b"), kv_b)
         # unknown tokens miss
         assert ctx.retrieve(_tokens(2 * C, seed=8)) is None
+        # a library edit: slot to slot on the SHM plane, on tensors on the inline one
+        rep = batch.rewrite(ctx, [toks], edits.drop_every(10), progress=False)
+        assert rep.ok == 1 and rep.path == ("fused" if s.plane == "shm" else "tensor"), \
+            rep.summary()
+        keep = [i for i in range(3 * C) if i % 10 != 9][: 2 * C]
+        assert _same(ctx.retrieve([toks[i] for i in keep]), kv[:, :, keep].contiguous())
         _assert_no_leftovers(s)
 
 
