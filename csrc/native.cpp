@@ -516,6 +516,33 @@ void kv_copy(bool to_regions, py::handle tensor_ptr, py::handle tensor_nbytes, p
   plan.execute();
 }
 
+// Writing through a mapping into pages a full tmpfs cannot allocate raises SIGBUS: before
+// the regions' cold (not yet allocated) pages are written in place, their file system must
+// have room for them plus a margin, else OSError(ENOSPC) and nothing is written.
+std::atomic<uint64_t> g_cold_room_margin{64ull << 20};  // test hook: _set_cold_room_margin
+
+void require_room_for_cold(const std::vector<Mapping*>& owner_of,
+                           const std::vector<int64_t>& addrs, const std::vector<int64_t>& lens) {
+  std::vector<std::pair<Mapping*, uint64_t>> cold;  // per mapping: cold bytes
+  for (size_t j = 0; j < owner_of.size(); ++j) {
+    Mapping* m = owner_of[j];
+    if (m == nullptr || !m->cold(static_cast<uintptr_t>(addrs[j]), static_cast<uint64_t>(lens[j]))) {
+      continue;
+    }
+    auto it = std::find_if(cold.begin(), cold.end(), [m](const auto& e) { return e.first == m; });
+    if (it == cold.end()) it = cold.insert(cold.end(), {m, 0});
+    it->second += static_cast<uint64_t>(lens[j]);
+  }
+  for (const auto& [m, bytes] : cold) {
+    const uint64_t margin = g_cold_room_margin.load();
+    if (m->fs_free_bytes() < bytes + margin || bytes + margin < bytes) {
+      errno = ENOSPC;
+      PyErr_SetFromErrno(PyExc_OSError);
+      throw py::error_already_set();
+    }
+  }
+}
+
 void bind_fused_rows(py::module_& m) {
   m.def(
       "fused_rows",
@@ -550,8 +577,10 @@ void bind_fused_rows(py::module_& m) {
         const FusedRowsPlan plan(a);
         PinSet pins;
         pin_owners(pins, src_owners, a.src_addrs, a.src_nbytes, "fused_rows", "source region");
-        pin_owners(pins, dst_owners, a.dst_addrs, a.dst_nbytes, "fused_rows",
-                   "destination region");
+        const std::vector<Mapping*> dst_of = pin_owners(pins, dst_owners, a.dst_addrs,
+                                                        a.dst_nbytes, "fused_rows",
+                                                        "destination region");
+        require_room_for_cold(dst_of, a.dst_addrs, a.dst_nbytes);
         py::gil_scoped_release nogil;
         plan.execute();
       },
@@ -848,6 +877,11 @@ PYBIND11_MODULE(_native, m) {
   m.def("_set_box_staging_fault", &set_box_staging_fault, "on"_a,
         "Testing only: strided copies get no staging buffer for their boxes (their tiles "
         "then run in place).");
+  m.def(
+      "_set_cold_room_margin",
+      [](py::handle n) { return g_cold_room_margin.exchange(field(n, "margin")); }, "margin"_a,
+      "Test hook: free bytes fused_rows wants beyond a region's cold pages (default 64 MiB); "
+      "returns the previous value.");
   m.def("_set_file_write_fault",
         [](int err) {
           if (err < 0) throw py::value_error("errno must be >= 0");

@@ -327,6 +327,7 @@ def _set_uffd_fault(err: int) -> None:
 def _set_box_staging_fault(on: bool) -> None:
     """Testing only: strided copies get no staging buffer for their boxes."""
 
+def _set_cold_room_margin(margin: int) -> int: ...
 def _set_file_write_fault(err: int) -> None:
     """Testing only: every ``pwritev`` of a cold scatter fails with errno ``err`` (0: off)."""
 

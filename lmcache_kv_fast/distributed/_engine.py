@@ -183,6 +183,8 @@ class ItemEngine:
             return self._store_checked(res, kv, new_toks, s, verify, want_hashes)
 
         out: cf.Future[Outcome] = cf.Future()
+        # a library edit goes slot to slot (batch/_fused.py); verify reads the edit's KV
+        fused = not verify and self._rw.fused.takes(fn)
 
         def done(f: cf.Future[ItemResult]) -> None:
             err = f.exception()
@@ -192,10 +194,33 @@ class ItemEngine:
             res = f.result()
             if res.status in ("not_attempted", "cancelled"):  # the fleet knows ok/missed/failed
                 res.status, res.stage = "failed", res.status
-            out.set_result(res.value if isinstance(res.value, Outcome) else _outcome(res))
+            if isinstance(res.value, Outcome):
+                out.set_result(res.value)
+            else:
+                out.set_result(self._fused_outcome(res, want_hashes) if fused else _outcome(res))
 
-        self._rw.submit(toks, index, fn=fn, cache_salt=salt, store_step=store).add_done_callback(done)
+        self._rw.submit(toks, index, fn=fn, cache_salt=salt,
+                        store_step=None if fused else store).add_done_callback(done)
         return out
+
+    def _fused_outcome(self, res: ItemResult, want_hashes: bool) -> Outcome:
+        """The outcome of an item rewritten slot to slot (its stored chunks' hashes)."""
+        out = _outcome(res)
+        if want_hashes and res.status == "ok" and res.value:
+            out.hashes = self._hashes(res.value)
+        return out
+
+    def _hashes(self, toks: Any) -> list[bytes] | None:
+        """Hashes of the whole chunks of ``toks`` (None when blake3 is missing)."""
+        from lmcache_kv_fast.hashing import chunk_hashes
+
+        c = self.ctx.chunk_size
+        whole = normalize_tokens(toks)
+        try:
+            return chunk_hashes(whole[: len(whole) // c * c], c)
+        except KVCacheSDKError as err:  # blake3 missing: the index just learns nothing
+            logger.warning("cannot hash the stored chunks for the events index: %s", err)
+            return None
 
     def _task(self, op: str, index: int, payload: Any, salt: str, verify: bool,
               want_hashes: bool) -> Outcome:
@@ -269,13 +294,7 @@ class ItemEngine:
                 out.status, out.stage, out.reason = "failed", "verify", why
                 return out
         if want_hashes and r.tokens_stored:
-            from lmcache_kv_fast.hashing import chunk_hashes
-
-            try:
-                out.hashes = chunk_hashes(normalize_tokens(toks)[: r.tokens_stored],
-                                          self.ctx.chunk_size)
-            except KVCacheSDKError as err:  # blake3 missing: the index just learns nothing
-                logger.warning("cannot hash the stored chunks for the events index: %s", err)
+            out.hashes = self._hashes(normalize_tokens(toks)[: r.tokens_stored])
         return out
 
     def _differs(self, kv: torch.Tensor, toks: Any, n: int, salt: str, *, stored: bool = False) -> str:

@@ -58,6 +58,25 @@ def test_engine_matches_batch_rewrite_and_reports_like_it(setup):
     assert eng.lookup_many([seqs[0], rand_tokens(600, seed=3)]) == [2 * ctx.chunk_size, 0]
 
 
+def test_library_edits_go_slot_to_slot_with_hashes(setup):
+    """A library edit's rewrite item takes the fused path (no verify): same bytes, hashes."""
+    from lmcache_kv_fast import edits
+    from lmcache_kv_fast.hashing import chunk_hashes
+
+    m, ctx, eng = setup
+    c = ctx.chunk_size
+    seqs, kvs = _seed(m, ctx, 3, 400)
+    fn = edits.drop_every(4)
+    outs = eng.run("rewrite", list(enumerate(seqs)), fn=fn, want_hashes=True)
+    assert [o.status for o in outs] == ["ok"] * 3, outs
+    assert eng._rw.fused.takes(fn)
+    for o, t, kv in zip(outs, seqs, kvs):
+        want, new = fn(kv[:, :, : 2 * c].contiguous(), t[: 2 * c])
+        n = len(new) // c * c
+        assert o.hashes == chunk_hashes(new[:n], c)
+        assert torch.equal(ctx.retrieve(new).view(torch.int16), want[:, :, :n].view(torch.int16))
+
+
 def test_retry_verification_refuses_to_mix_results(setup):
     m, ctx, eng = setup
     c = ctx.chunk_size

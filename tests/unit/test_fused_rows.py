@@ -501,3 +501,31 @@ def test_racing_threads_agree() -> None:
     assert run_threads(worker, 6) == []
     for got in results.values():
         assert all(torch.equal(g, a) for g, a in zip(got, alone, strict=True))
+
+
+def test_cold_destinations_on_a_full_file_system_raise_enospc(
+        shm_name: Callable[[int], str]) -> None:
+    """Pages not allocated yet are written only with room for them (else SIGBUS): ENOSPC."""
+    import errno
+
+    case = Case()
+    srcs, idx = _sources(case), _index(case)
+    nbytes = case.geom.chunk_nbytes
+    name = shm_name(nbytes)  # sparse: its pages are not allocated yet
+    seg, view = nb.open_segment(name), tb.open_segment(name)
+    prev = _native._set_cold_room_margin(1 << 62)  # as if the file system were full
+    try:
+        dst = seg.regions([_Slot(0, nbytes)], nbytes, 64)
+        with pytest.raises(OSError) as ei:
+            nb.fused_rows([Region.of_tensor(s) for s in srcs], [0], dst, idx[:16] % 16,
+                          case.geom)
+        assert ei.value.errno == errno.ENOSPC
+        _native._set_cold_room_margin(prev)
+        nb.fused_rows([Region.of_tensor(s) for s in srcs], [0], dst, idx[:16] % 16, case.geom)
+        ref = _run(tb, case, srcs, idx[:16] % 16, [0], None)[0]
+        assert torch.equal(view.regions([_Slot(0, nbytes)], nbytes, 64)[0].tensor,
+                           ref.reshape(-1).view(torch.uint8))
+    finally:
+        _native._set_cold_room_margin(prev)
+        seg.close()
+        view.close()
