@@ -161,3 +161,40 @@ def test_a_failure_on_a_live_server_does_not_stop_the_batch(dying_server: LMCach
         assert _batch_threads() == []
     finally:
         ctx.close()
+
+
+def test_fused_rewrite_stops_at_once_when_the_server_is_killed(
+        dying_server: LMCacheServer) -> None:
+    """A library edit (slot to slot) whose planning kills the server mid-batch."""
+    from dataclasses import dataclass
+
+    from lmcache_kv_fast import edits
+    from lmcache_kv_fast.edits._positional import DropEvery
+
+    srv = dying_server
+    calls = [0]
+
+    @dataclass(frozen=True)
+    class KillingDrop(DropEvery):
+        def positional(self, count: int) -> torch.Tensor:
+            calls[0] += 1
+            if calls[0] == FAULT_AT + 1:
+                os.killpg(srv.proc.pid, signal.SIGKILL)  # type: ignore[union-attr]
+            return super().positional(count)
+
+    fn = KillingDrop(k=2)
+    assert edits.plannable(fn)
+    _, ctx, seqs = _seed(srv)
+    try:
+        t0 = time.monotonic()
+        with pytest.raises(lkf.ServerUnavailableError, match="unavailable") as ei:
+            batch.rewrite(ctx, seqs, fn, progress=False)
+        assert time.monotonic() - t0 < BOUND_S, "the batch paid the timeout per item"
+        rep = ei.value.report
+        assert rep.fused >= FAULT_AT - 1 and rep.tensor == 0, rep.summary()
+        _check_report(rep)
+        assert _batch_threads() == []
+    finally:
+        t0 = time.monotonic()
+        ctx.close()
+        assert time.monotonic() - t0 < TIMEOUT + 6.0

@@ -144,6 +144,29 @@ def test_late_store_finishes_in_the_background(srv: LMCacheServer, base: dict[st
     _clean(srv, base)
 
 
+def test_late_store_of_a_fused_rewrite_gets_the_edit(srv: LMCacheServer,
+                                                     base: dict[str, int]) -> None:
+    """A fused rewrite whose prepare_store is answered late: the reservation is filled
+    from a snapshot the tensor edit made while the reads were still locked."""
+    from lmcache_kv_fast import edits
+
+    m = make_model(srv, num_layers=2)
+    toks, kv = rand_tokens(3 * C, seed=12), m.kv(3 * C, seed=12)
+    fn = edits.drop_every(3)
+    want, new = fn(kv, toks)
+    with DelayProxy(srv.url) as px, \
+            lkf.connect(px.url, srv.http_url, m.name, timeout=TIMEOUT) as ctx:
+        assert ctx.store(kv, toks)
+        px.hold("prepare_store")
+        rep = batch.rewrite(ctx, [toks], fn, progress=False)
+        assert rep.failed == 1 and rep.errors[0].stage == "store", rep.summary()
+        assert "Timeout" in rep.errors[0].reason
+        px.release()
+        assert wait_until(lambda: ctx.lookup(new) == 2 * C, timeout=10, step=0.05)
+        _reads_back(srv, m, new[: 2 * C], want[:, :, : 2 * C].contiguous())
+    _clean(srv, base)
+
+
 def test_late_commit_is_settled(srv: LMCacheServer, base: dict[str, int]) -> None:
     """commit_store runs after the client gave up: store() says False (verified by
     lookup: not cached yet); the data (written in full) becomes visible late; the writer
