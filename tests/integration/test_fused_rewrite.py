@@ -61,7 +61,7 @@ def _check(ctx, fn, toks, kvs, *, exact=True, hit=3 * C):
 
 
 def _settled(server):
-    st = server.settled_status()
+    st = server.settled_status(timeout=10.0)
     l1 = st["storage_manager"]["l1_manager"]
     return st["active_sessions"], l1["read_locked_count"], l1["write_locked_count"]
 
