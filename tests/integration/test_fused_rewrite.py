@@ -106,10 +106,13 @@ def test_plain_functions_and_scored_edits_keep_the_tensor_path(server_shm):
             _check(ctx, fn, toks, kvs)
 
 
-def test_items_report_their_path_misses_and_edit_errors(wide):
-    m, ctx = wide
-    if ctx.transport != "shm":
-        pytest.skip("the fused path runs on the SHM plane (the inline plane: test above)")
+def test_items_report_their_path_misses_and_edit_errors(server_shm):
+    m = make_model(server_shm, num_layers=4, num_kv_heads=8, head_size=HEAD)
+    with lmc_sdk.connect(server_shm.url, server_shm.http_url, m.name) as ctx:
+        _items_report(m, ctx)
+
+
+def _items_report(m, ctx):
     toks, kvs = _seed(m, ctx, 2, 400)
     fn = edits.keep(range(0, 2 * C + 10))  # past the end of a 2-chunk item
     short = toks[0][: 2 * C]
