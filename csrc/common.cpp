@@ -1,6 +1,9 @@
 #include "common.hpp"
 
 #include <Python.h>
+#include <sys/mman.h>
+
+#include <algorithm>
 
 namespace lmckv {
 
@@ -51,6 +54,23 @@ const char* checked_span(uint64_t base, uint64_t nbytes, uint64_t offset, uint64
   }
   checked_add(base, end, what);
   return reinterpret_cast<const char*>(base + offset);
+}
+
+bool mostly_absent(uintptr_t addr, uint64_t n, uint64_t page_size) {
+  if (n == 0 || page_size == 0) return false;
+  const uint64_t first = addr / page_size * page_size;
+  const uint64_t pages = (addr + n - first + page_size - 1) / page_size;
+  const uint64_t samples = std::min<uint64_t>(pages, 8);
+  uint64_t absent = 0;
+  for (uint64_t k = 0; k < samples; ++k) {
+    const uint64_t page = samples == 1 ? 0 : (pages - 1) * k / (samples - 1);
+    unsigned char v = 0;
+    if (mincore(reinterpret_cast<void*>(first + page * page_size), page_size, &v) != 0) {
+      return false;
+    }
+    absent += (v & 1) ? 0 : 1;
+  }
+  return absent * 2 > samples;
 }
 
 }  // namespace lmckv

@@ -84,4 +84,8 @@ class NoDestructor {
 // Number of CPUs this process may run on (sched_getaffinity), at least 1.
 int usable_cpus();
 
+// Whether most of a sample (<= 8 pages) of the pages of [addr, addr + n) are not in
+// memory yet (mincore); false when unknown or n == 0.
+bool mostly_absent(uintptr_t addr, uint64_t n, uint64_t page_size);
+
 }  // namespace lmckv

@@ -13,6 +13,7 @@
 #include <chrono>
 #include <numeric>
 
+#include "common.hpp"
 #include "thread_pool.hpp"
 
 #ifndef MADV_POPULATE_READ
@@ -255,18 +256,7 @@ uint64_t Mapping::populate_resident_range(uint64_t offset, uint64_t length) cons
 
 bool Mapping::cold(uintptr_t addr, uint64_t n) const {
   if (base_ == nullptr || n == 0 || !contains(addr, n)) return false;
-  const uint64_t ps = page_size();
-  const uintptr_t first = addr & ~static_cast<uintptr_t>(ps - 1);
-  const uint64_t pages = (addr + n - first + ps - 1) / ps;
-  const uint64_t samples = std::min<uint64_t>(pages, 8);
-  uint64_t absent = 0;
-  for (uint64_t k = 0; k < samples; ++k) {
-    const uint64_t page = samples == 1 ? 0 : (pages - 1) * k / (samples - 1);
-    unsigned char v = 0;
-    if (mincore(reinterpret_cast<void*>(first + page * ps), ps, &v) != 0) return false;
-    absent += (v & 1) ? 0 : 1;
-  }
-  return absent * 2 > samples;
+  return mostly_absent(addr, n, page_size());
 }
 
 uint64_t Mapping::fs_free_bytes() const {

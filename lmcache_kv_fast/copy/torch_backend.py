@@ -32,6 +32,7 @@ from lmcache_kv_fast.copy.fused_checks import (
     check_rotation,
     rotation_dtype,
 )
+from lmcache_kv_fast.copy.rotate_pairs import rotate_pairs
 from lmcache_kv_fast.copy.tensor_checks import check_destination, check_source, check_storage
 from lmcache_kv_fast.errors import InvalidArgumentError
 
@@ -209,14 +210,7 @@ def _rotate_plane(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
         x1, x2 = k[..., 0:rd:2], k[..., 1:rd:2]
     else:
         x1, x2 = k[..., :half], k[..., half:rd]
-    c, s = cos[:, None, :], sin[:, None, :]
-    a = x1.to(torch.float32)
-    b = x2.to(torch.float32)
-    n1 = a * c
-    n1.addcmul_(b, s, value=-1.0)
-    b.mul_(c).addcmul_(a, s)
-    x1.copy_(n1)
-    x2.copy_(b)
+    rotate_pairs(x1, x2, cos[:, None, :], sin[:, None, :])
 
 
 def fused_rows(src_regions: Sequence[Region], dst_chunk_ids: Sequence[int],

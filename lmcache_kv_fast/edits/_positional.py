@@ -11,15 +11,11 @@ from lmcache_kv_fast.edits._base import Selection, check_rope
 from lmcache_kv_fast.edits._rope import RoPE
 from lmcache_kv_fast.errors import InvalidArgumentError
 
-__all__ = ["DropEvery", "Keep", "StreamingLLM", "drop_every", "keep", "streaming_llm"]
+__all__ = ["DropEvery", "Keep", "Positional", "StreamingLLM", "drop_every", "keep", "streaming_llm"]
 
 
-@dataclass(frozen=True, eq=False)
-class Keep(Selection):
-    """Keep the given token indices (sorted on construction; duplicates refused)."""
-
-    index: torch.Tensor = field(repr=False)
-    rope: RoPE | None = None
+class Positional(Selection):
+    """A selection by position only: its kept indices come from the token count."""
 
     def indices(self, kv: torch.Tensor, tokens: Sequence[int],
                 queries: torch.Tensor | None) -> torch.Tensor:
@@ -28,6 +24,17 @@ class Keep(Selection):
     @property
     def planned(self) -> bool:
         return True
+
+    def positional(self, count: int) -> torch.Tensor:
+        raise NotImplementedError
+
+
+@dataclass(frozen=True, eq=False)
+class Keep(Positional):
+    """Keep the given token indices (sorted on construction; duplicates refused)."""
+
+    index: torch.Tensor = field(repr=False)
+    rope: RoPE | None = None
 
     def positional(self, count: int) -> torch.Tensor:
         if self.index.numel() and int(self.index[-1]) >= count:
@@ -52,19 +59,11 @@ def keep(indices: Sequence[int] | torch.Tensor, rope: RoPE | None = None) -> Kee
 
 
 @dataclass(frozen=True)
-class DropEvery(Selection):
+class DropEvery(Positional):
     """Drop tokens ``k-1, 2k-1, ...`` (every k-th), keep the rest."""
 
     k: int
     rope: RoPE | None = None
-
-    def indices(self, kv: torch.Tensor, tokens: Sequence[int],
-                queries: torch.Tensor | None) -> torch.Tensor:
-        return self.positional(kv.shape[2])
-
-    @property
-    def planned(self) -> bool:
-        return True
 
     def positional(self, count: int) -> torch.Tensor:
         i = torch.arange(count, dtype=torch.int64)
@@ -79,20 +78,12 @@ def drop_every(k: int, rope: RoPE | None = None) -> DropEvery:
 
 
 @dataclass(frozen=True)
-class StreamingLLM(Selection):
+class StreamingLLM(Positional):
     """Keep the first ``sinks`` and the last ``window`` tokens (Xiao et al. 2023)."""
 
     sinks: int
     window: int
     rope: RoPE | None = None
-
-    def indices(self, kv: torch.Tensor, tokens: Sequence[int],
-                queries: torch.Tensor | None) -> torch.Tensor:
-        return self.positional(kv.shape[2])
-
-    @property
-    def planned(self) -> bool:
-        return True
 
     def positional(self, count: int) -> torch.Tensor:
         i = torch.arange(count, dtype=torch.int64)

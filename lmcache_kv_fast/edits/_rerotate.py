@@ -16,6 +16,7 @@ from collections.abc import Sequence
 import torch
 
 from lmcache_kv_fast.copy.edit_kernels import Rotation, gather_tokens
+from lmcache_kv_fast.copy.rotate_pairs import rotate_pairs
 from lmcache_kv_fast.edits._inputs import as_positions, check_kv, heads
 from lmcache_kv_fast.edits._rope import RoPE
 from lmcache_kv_fast.errors import InvalidArgumentError, InvalidTypeError
@@ -63,14 +64,7 @@ def _rotate_chunks(k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, rope: 
             x1, x2 = x[..., 0:rope.rotary_dim:2], x[..., 1:rope.rotary_dim:2]
         else:
             x1, x2 = x[..., :half], x[..., half:rope.rotary_dim]
-        c, s = cos[t0:t0 + step], sin[t0:t0 + step]
-        a = x1.to(torch.float32)
-        b = x2.to(torch.float32)
-        n1 = a * c
-        n1.addcmul_(b, s, value=-1.0)
-        b.mul_(c).addcmul_(a, s)
-        x1.copy_(n1)
-        x2.copy_(b)
+        rotate_pairs(x1, x2, cos[t0:t0 + step], sin[t0:t0 + step])
 
 
 def rerotate(kv: torch.Tensor, old_positions: Sequence[int] | torch.Tensor, rope: RoPE,
