@@ -284,6 +284,10 @@ def run(cfg: dict[str, Any]) -> dict[str, Any]:
             prefill_s = time.perf_counter() - t
             prepared = max(0, prepared_bytes() - pool0)
             fn = drop_every(int(cfg["drop_every"]), kind)
+            if cfg["side"] == "ours" and cfg.get("edit", "library") == "library":
+                from lmcache_kv_fast import edits
+
+                fn = edits.drop_every(int(cfg["drop_every"]))  # the same tokens dropped
             if cfg["side"] == "land":
                 landed = landing(ctx, streams, cfg["salt"])
                 return {"side": "land", "streams": len(streams),
@@ -310,9 +314,18 @@ def run(cfg: dict[str, Any]) -> dict[str, Any]:
                 "native_stats": {k: native1[k] - native0.get(k, 0) for k in native1},
                 "tokens": [list(s.tokens) for s in streams],
                 "modify_report": report.to_dict(),
+                "fused_streams": _fused_streams(batch),
             }
         finally:
             ctx.close()
+
+
+def _fused_streams(batch: Any) -> int | None:
+    """How many streams this SDK's modify rewrote slot to slot (None: upstream's)."""
+    out = getattr(batch, "last_modify", None)
+    if out is None:
+        return None
+    return sum(getattr(m, "path", "") == "fused" for m in out.items)
 
 
 def main() -> None:

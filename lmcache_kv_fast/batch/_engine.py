@@ -33,7 +33,7 @@ from typing import Any
 
 import torch
 
-from lmcache_kv_fast.batch._fused import FusedPath
+from lmcache_kv_fast.batch._fused import FusedHooks, FusedPath
 from lmcache_kv_fast.batch._liveness import ServerWatch
 from lmcache_kv_fast.batch._policy import EditPolicy, EditRunner
 from lmcache_kv_fast.batch._pools import OutputPool
@@ -139,6 +139,8 @@ class RewriteEngine:
         desc: Progress label.
         store: ``store(kv, tokens, cache_salt) -> StoreResult`` instead of
             ``ctx.store_ex`` (same accounting).
+        fused: With a custom ``fetch`` / ``store``: which items still take the fused path
+            and how (:class:`~lmcache_kv_fast.batch._fused.FusedHooks`).
 
     Raises:
         InvalidArgumentError: Bad arguments.
@@ -150,7 +152,7 @@ class RewriteEngine:
                  pool_outputs: bool | None = None, edit_threads: int | None = None,
                  reuse_buffers: bool = True, fetch: FetchFn | None = None,
                  progress: bool = False, desc: str = "rewrite",
-                 store: StoreFn | None = None) -> None:
+                 store: StoreFn | None = None, fused: FusedHooks | None = None) -> None:
         check_common(ctx, max_in_flight)
         if not callable(fn):
             raise InvalidArgumentError(f"fn must be callable, got {type(fn).__name__}")
@@ -187,7 +189,8 @@ class RewriteEngine:
         self._pending_lock = threading.Lock()
         self.pooled_outputs = 0
         self._watch = ServerWatch(ctx)
-        self.fused = FusedPath(ctx, fetch is None and store is None)
+        self.fused = FusedPath(ctx, (fetch is None and store is None) or fused is not None,
+                               fused)
 
     # ------------------------------------------------------------------ buffers
     def _new_out_pool(self) -> OutputPool:
@@ -290,8 +293,9 @@ class RewriteEngine:
         if self._halted():
             return self._not_started(it)
         fn = self.fn if it.fn is None else it.fn
-        if it.store_step is None and self.fused.takes(fn):
-            return self._stage_fused(it, fn)
+        edit = self.fused.edit_for(it.item, fn) if it.store_step is None else None
+        if edit is not None:
+            return self._stage_fused(it, edit)
         res = it.res
         t = time.perf_counter()
         try:

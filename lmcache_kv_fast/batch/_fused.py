@@ -6,21 +6,43 @@ and chains of them) and the context can (``ctx.rewrites_rows``: SHM plane, per-t
 chunks), an item is one call of ``ctx.rewrite_rows`` on an I/O thread: its kept rows go
 once from the read-locked slots into the new sequence's reserved slots, K re-rotated in
 the same pass. Anything else runs retrieve -> fn -> store on tensors as before.
+
+An engine with its own fetch and store (the sdk's batched ``modify``) takes the fused
+path only through :class:`FusedHooks`: which library edit an item's rows are planned
+with, the tokens to rewrite (after waiting for them), and what to record once done.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 from lmcache_kv_fast.batch._report import ItemResult
 from lmcache_kv_fast.client.context import LMCacheKVCacheContext
-from lmcache_kv_fast.client.rewrite import EditError
+from lmcache_kv_fast.client.rewrite import EditError, RowsRewritten
 from lmcache_kv_fast.edits import RowPlan, plannable, row_plan
 from lmcache_kv_fast.errors import KVCacheSDKError
 from lmcache_kv_fast.validation import normalize_tokens
 
-__all__ = ["FusedPath"]
+__all__ = ["FusedHooks", "FusedPath"]
+
+
+@dataclass(frozen=True)
+class FusedHooks:
+    """How an engine with its own fetch and store runs items on the fused path.
+
+    Attributes:
+        edit: ``edit(item, fn)``: the library edit to plan the item's rows with, or None
+            for the engine's own fetch -> fn -> store.
+        tokens: ``tokens(item)``: the tokens whose cached prefix is rewritten (it may wait
+            for them; raising fails the item at ``retrieve``).
+        done: ``done(item, rewritten)``: called after a rewrite that read something.
+    """
+
+    edit: Callable[[Any, Callable[..., Any]], Callable[..., Any] | None]
+    tokens: Callable[[Any], Sequence[int]]
+    done: Callable[[Any, RowsRewritten], None]
 
 
 class FusedPath:
@@ -28,13 +50,23 @@ class FusedPath:
 
     Args:
         ctx: The engine's context.
-        enabled: The engine's own conditions hold (default fetch and store).
+        enabled: The engine's own conditions hold (default fetch and store, or ``hooks``).
+        hooks: The custom engine's hooks (None: items are token sequences).
     """
 
-    def __init__(self, ctx: LMCacheKVCacheContext, enabled: bool) -> None:
+    def __init__(self, ctx: LMCacheKVCacheContext, enabled: bool,
+                 hooks: FusedHooks | None = None) -> None:
         self.ctx = ctx
         self.enabled = enabled and ctx.rewrites_rows
+        self.hooks = hooks
         self._known: dict[int, tuple[Callable[..., Any], bool]] = {}
+
+    def edit_for(self, item: Any, fn: Callable[..., Any]) -> Callable[..., Any] | None:
+        """The library edit an item is rewritten with slot to slot, or None."""
+        if not self.enabled:
+            return None
+        edit = fn if self.hooks is None else self.hooks.edit(item, fn)
+        return edit if edit is not None and self.takes(edit) else None
 
     def takes(self, fn: Callable[..., Any]) -> bool:
         """Whether an item edited by ``fn`` is rewritten slot to slot."""
@@ -60,7 +92,7 @@ class FusedPath:
                 raise KVCacheSDKError(f"{fn!r} could not be planned")
             return plan
 
-        toks = normalize_tokens(item)
+        toks = normalize_tokens(item if self.hooks is None else self.hooks.tokens(item))
         try:
             done = self.ctx.rewrite_rows(toks, planner, fn, salt, stages=res.stages)
         except EditError as err:
@@ -69,6 +101,8 @@ class FusedPath:
         if done is None:
             res.status, res.stage, res.reason = "missed", "retrieve", "nothing cached"
             return "retrieve"
+        if self.hooks is not None:
+            self.hooks.done(item, done)
         per_token = _token_bytes(self.ctx)
         res.tokens, res.nbytes = done.hit_tokens, done.hit_tokens * per_token
         res.path = "fused" if done.fused else "tensor"

@@ -37,7 +37,13 @@ from lmcache_kv_fast.client.handshake import handshake
 from lmcache_kv_fast.client.lookup import cached_tokens
 from lmcache_kv_fast.client.read_hints import ReadHints
 from lmcache_kv_fast.client.retrieve import RetrieveFlow
-from lmcache_kv_fast.client.rewrite import Planner, RewriteFlow, RowsRewritten, TensorEdit
+from lmcache_kv_fast.client.rewrite import (
+    Planner,
+    RewriteFlow,
+    RowsRewritten,
+    TensorEdit,
+    fused_kernel,
+)
 from lmcache_kv_fast.client.session import (
     Session,
 )
@@ -398,13 +404,13 @@ class LMCacheKVCacheContext:
 
     @property
     def rewrites_rows(self) -> bool:
-        """Whether :meth:`rewrite_rows` runs here (SHM plane, per-token chunks, fused_rows).
+        """Whether :meth:`rewrite_rows` runs here.
 
-        Not on the inline plane nor for a CPU engine's rows.
+        On the SHM plane, for per-token chunks (the backend's ``fused_rows``) and for a CPU
+        engine's rows whose in-block order is one element map per block
+        (``fused_blocks``, :meth:`CpuEngineKV.block_offsets`); not on the inline plane.
         """
-        s = self._session
-        return s.shm is not None and s.engine_kv is None and \
-            hasattr(s.backend, "fused_rows")
+        return fused_kernel(self._session) is not None
 
     def rewrite_rows(self, tokens: Sequence[int], planner: Planner, apply: TensorEdit,
                      cache_salt: str = "", *, request_configs: dict[str, Any] | None = None,
@@ -431,16 +437,18 @@ class LMCacheKVCacheContext:
         s = self._session
         s.check_process()
         if not self.rewrites_rows:
-            raise KVCacheSDKError("rewrite_rows needs the SHM plane, per-token chunks and a "
-                                  "backend with fused_rows (see rewrites_rows)")
+            raise KVCacheSDKError("rewrite_rows needs the SHM plane and per-token chunks or a "
+                                  "CPU engine's rows of one element map per block (see "
+                                  "rewrites_rows)")
         toks = normalize_tokens(tokens)
         salt = check_salt(cache_salt)
         n_tok = len(toks) // s.chunk_size * s.chunk_size
         if n_tok == 0:
             return None
         rc = check_request_configs(request_configs)
-        done = self._rewriting.rewrite(toks[:n_tok], salt, planner, apply, rc, t0,
-                                       {} if stages is None else stages)
+        with per_token(s, s.engine_kv is not None):  # a fallback's tensors are per token
+            done = self._rewriting.rewrite(toks[:n_tok], salt, planner, apply, rc, t0,
+                                           {} if stages is None else stages)
         if done is not None and done.stored.chunks_written:
             new = [int(x) for x in done.tokens][: done.stored.chunks_total * s.chunk_size]
             run_store_hooks(self, new, salt, done.stored.tokens_stored // s.chunk_size)

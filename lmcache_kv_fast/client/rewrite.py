@@ -9,6 +9,10 @@ store is the store flow's (``client/store.py``: reservation age, late replies, s
 re-lookups), fed by :class:`FusedRows` instead of a tensor. The KV never exists as a
 tensor, except as the snapshot a late reservation needs or when the plan does not fit
 the core (then the prefix is gathered and the plan applied to the tensor).
+
+Per-token chunks move with the core's ``fused_rows``; a CPU engine's rows, where a
+token's K and V are scattered over its block in the attention kernel's order, with
+``fused_blocks`` and the block's element map (:meth:`CpuEngineKV.block_offsets`).
 """
 
 from __future__ import annotations
@@ -82,9 +86,13 @@ class FusedRows:
 
     def write(self, rank: int, chunk_ids: list[int], regions: list[Region]) -> None:
         """Run the core's gather (+ rotation) into the shard's reserved ``regions``."""
+        s, plan = self._s, self._plan
         src = self._sources.get(rank, self._sources[min(self._sources)])
-        self._s.backend.fused_rows(src, chunk_ids, regions, self._plan.index, self._s.geom,
-                                   self._plan.rotation)
+        if s.engine_kv is None:
+            s.backend.fused_rows(src, chunk_ids, regions, plan.index, s.geom, plan.rotation)
+        else:
+            s.backend.fused_blocks(src, chunk_ids, regions, plan.index, s.geom, s.engine_kv,
+                                   plan.rotation)
 
     def materialize(self) -> torch.Tensor:
         """The edit's KV as a tensor: the prefix gathered, then the tensor edit applied."""
@@ -100,17 +108,36 @@ def gather_prefix(s: Session, sources: dict[int, list[Region]], tokens: int) -> 
     return kv
 
 
+def fused_kernel(s: Session) -> str | None:
+    """The core's kernel that rewrites this session's chunks, or None (no fused rewrite).
+
+    ``fused_rows`` for per-token chunks, ``fused_blocks`` for a CPU engine's rows with one
+    element map per block; neither on the inline plane.
+    """
+    if s.shm is None:
+        return None
+    if s.engine_kv is None:
+        return "fused_rows" if hasattr(s.backend, "fused_rows") else None
+    if hasattr(s.backend, "fused_blocks") and s.engine_kv.block_offsets() is not None:
+        return "fused_blocks"
+    return None
+
+
 def fits_core(s: Session, plan: RowPlanLike) -> bool:
     """Whether the core takes ``plan`` here (else the tensor path, which may refuse it).
 
     The edits are defined on the per-token ``[2, L, T, D]`` KV: a single-plane (MLA)
-    model goes to the tensor edit, which says so.
+    model goes to the tensor edit, which says so; so does a rotation whose heads are not
+    the engine's.
     """
     rot = plan.rotation
+    if rot is not None and s.dtype not in (torch.bfloat16, torch.float32):
+        return False
+    if s.engine_kv is not None:
+        return rot is None or rot.head_dim == s.engine_kv.head_dim
     if s.geom.planes != 2:
         return False
-    return rot is None or (s.geom.width % rot.head_dim == 0 and
-                           s.dtype in (torch.bfloat16, torch.float32))
+    return rot is None or s.geom.width % rot.head_dim == 0
 
 
 class RewriteFlow:

@@ -20,6 +20,7 @@ from typing import Any
 import torch
 
 from lmcache_kv_fast.batch import RewriteEngine
+from lmcache_kv_fast.batch._fused import FusedHooks
 from lmcache_kv_fast.client.context import LMCacheKVCacheContext
 from lmcache_kv_fast.results import StoreResult
 
@@ -36,7 +37,8 @@ StoreFn = Callable[[torch.Tensor, Sequence[int], str], StoreResult]
 
 def run_rewrite_items(ctx: LMCacheKVCacheContext, items: Sequence[Any], fn: EditFn,
                       cache_salt: str, *, fetch: FetchFn, on_result: OnResult,
-                      max_in_flight: int, progress: bool, store: StoreFn | None = None) -> int:
+                      max_in_flight: int, progress: bool, store: StoreFn | None = None,
+                      fused: FusedHooks | None = None) -> int:
     """Run ``fetch -> fn -> store`` over ``items``; return the peak number in flight.
 
     Args:
@@ -50,6 +52,7 @@ def run_rewrite_items(ctx: LMCacheKVCacheContext, items: Sequence[Any], fn: Edit
         progress: Show a progress bar.
         store: ``store(kv, tokens, cache_salt) -> StoreResult`` instead of
             ``ctx.store_ex`` (the sdk stores a CPU engine's edit as rows, ``kvio.py``).
+        fused: Which items are rewritten slot to slot instead (``batch/_fused.py``).
 
     Raises:
         ServerUnavailableError: An item failed and the server then did not answer a
@@ -57,7 +60,7 @@ def run_rewrite_items(ctx: LMCacheKVCacheContext, items: Sequence[Any], fn: Edit
     """
     engine = RewriteEngine(ctx, fn, cache_salt, io_workers=max_in_flight,
                            max_in_flight=max_in_flight, fetch=fetch, progress=progress,
-                           desc="modify", reuse_buffers=False, store=store)
+                           desc="modify", reuse_buffers=False, store=store, fused=fused)
     report = engine.run(items, on_result=lambda r: on_result(
         r.index, r.status, r.stage, r.reason, dict(r.stages)), total=len(items))
     return int(report.peak_in_flight)

@@ -8,8 +8,10 @@ pipelined rewrite engine (``engine_adapter.py``: the engine of ``batch.rewrite``
 most ``max_in_flight`` streams are between their read and their store, each waited for,
 read and stored on its own I/O thread, and one edit thread runs ``fn``, so one stream's
 server round trips overlap the others' work; a stream's rows are read and stored
-through reused row buffers (``kvio.py``). The wait for the engine's store is lookups with
-back-off (:mod:`lmcache_kv_fast.sdk._wait`), and every stream's outcome is recorded.
+through reused row buffers (``kvio.py``). With a library edit planned without reading
+the KV, a stream's rows go slot to slot instead (``_fused.py``; the report's path).
+The wait for the engine's store is lookups with back-off
+(:mod:`lmcache_kv_fast.sdk._wait`), and every stream's outcome is recorded.
 
 A server that died stops the phase after one failed stream and one unanswered liveness
 ping (``ServerUnavailableError``, not the timeout per stream): the streams in flight are
@@ -20,6 +22,7 @@ another group on the same server too), and :attr:`ModifyOutcome.server_error` is
 from __future__ import annotations
 
 import logging
+import math
 import os
 import time
 from collections.abc import Callable, Sequence
@@ -30,6 +33,7 @@ import torch
 
 from lmcache_kv_fast.errors import ServerUnavailableError
 from lmcache_kv_fast.sdk._engine_adapter import run_rewrite_items
+from lmcache_kv_fast.sdk._fused import fused_hooks
 from lmcache_kv_fast.sdk._kvio import StreamKV
 from lmcache_kv_fast.sdk.cache_kind import LMCacheSDKCacheKind
 from lmcache_kv_fast.sdk.context import ModifyFnType
@@ -81,6 +85,8 @@ class StreamModify:
         error: Why it failed (None when it was stored).
         stage: Where it failed (``retrieve`` (includes the wait), ``fn``, ``store``, or
             ``not_attempted``: the server was found gone before this stream started).
+        path: How a modified stream's rows moved: ``"fused"`` (slot to slot, a library
+            edit; ``_fused.py``) or ``"tensor"`` (read into a tensor, ``fn``, stored).
     """
 
     stream: LMCacheRequestStream
@@ -92,6 +98,7 @@ class StreamModify:
     kv_nbytes: int = 0
     error: str | None = None
     stage: str = ""
+    path: str = ""
     extra: dict[LMCacheSDKCacheKind, torch.Tensor] = field(default_factory=dict)
 
 
@@ -228,6 +235,7 @@ def _run_group(group: list[StreamModify], fn: ModifyFnType, timeout: float,
         for k, v in stages.items():
             out.stage_seconds[k] = out.stage_seconds.get(k, 0.0) + v
         if status == "ok":
+            m.path = m.path or "tensor"
             m.stream.apply_edit(m.cached_len, m.new_tokens)
             chunk = sdk_ctx.chunk_size
             per_token = m.kv_nbytes // max(1, m.cached_len)
@@ -240,10 +248,13 @@ def _run_group(group: list[StreamModify], fn: ModifyFnType, timeout: float,
         if on_done is not None:
             on_done(m)
 
+    core = sdk_ctx.kv_context
+    token_bytes = math.prod(core.kv_shape(1)) * core.dtype.itemsize
     try:
-        peak = run_rewrite_items(sdk_ctx.kv_context, group, edit, salt, fetch=fetch,
+        peak = run_rewrite_items(core, group, edit, salt, fetch=fetch,
                                  store=io.store, on_result=on_result,
-                                 max_in_flight=max_in_flight, progress=progress)
+                                 max_in_flight=max_in_flight, progress=progress,
+                                 fused=fused_hooks(fn, timeout, poll_interval, token_bytes))
     except ServerUnavailableError as err:
         # the engine stopped: the streams it never reported were not attempted
         rep = getattr(err, "report", None)

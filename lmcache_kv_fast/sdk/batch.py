@@ -419,6 +419,8 @@ def modify_metrics(out: ModifyOutcome, fmt: str = "terminal", width: int = 80) -
     res.add("duration", "Total Duration (s)", out.seconds)
     res.add("streams_modified", "Streams Modified", len(ok))
     res.add("streams_failed", "Streams Failed", len(out.items) - len(ok))
+    res.add("streams_fused", "Streams Rewritten Slot To Slot",
+            sum(m.path == "fused" for m in ok))
     res.add("tokens_before", "Cached Tokens Edited", sum(m.cached_len for m in ok))
     res.add("tokens_after", "Tokens After Edit", sum(len(m.new_tokens) for m in ok))
     res.add("read_mib", "Read (MiB)", sum(m.nbytes for m in out.items) / 2**20)

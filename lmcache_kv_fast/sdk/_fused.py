@@ -1,0 +1,67 @@
+"""The batched modify's fused path: a library edit's rows moved slot to slot.
+
+When ``fn`` is a library edit planned without reading the KV
+(:func:`lmcache_kv_fast.edits.plannable`: positional selections, with ``rope`` or not,
+and chains of them) and a stream has only a KV context, its modify is one
+``rewrite_rows`` call (``batch/_fused.py``): the wait for the engine's store (lookups
+with back-off, as the tensor path waits), then every kept row goes once from the
+read-locked slots into the new sequence's reserved ones, K re-rotated on the way, a CPU
+engine's rows in its own element order (no per-token tensor). Other streams, and any
+other ``fn``, take wait → retrieve → ``fn`` → store.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING, Any
+
+from lmcache_kv_fast.batch._fused import FusedHooks
+from lmcache_kv_fast.client.rewrite import RowsRewritten
+from lmcache_kv_fast.edits import plannable
+from lmcache_kv_fast.sdk.cache_kind import LMCacheSDKCacheKind
+from lmcache_kv_fast.sdk.request import LMCacheRequestStreamError
+
+if TYPE_CHECKING:
+    from lmcache_kv_fast.sdk._modify import StreamModify
+
+__all__ = ["fused_hooks"]
+
+KV = LMCacheSDKCacheKind.KV
+
+
+def fused_hooks(fn: Callable[..., Any], timeout: float, poll_interval: float,
+                token_bytes: int) -> FusedHooks | None:
+    """The hooks running ``fn``'s streams slot to slot, or None when ``fn`` is not planned.
+
+    Args:
+        fn: The modify's edit.
+        timeout: Longest wait per stream for the engine's store.
+        poll_interval: Longest delay between two of its lookups.
+        token_bytes: KV bytes of one token (the stream's accounting).
+    """
+    if not plannable(fn):
+        return None
+
+    def edit(m: StreamModify, _engine_fn: Callable[..., Any]) -> Callable[..., Any] | None:
+        return fn if set(m.stream.contexts) == {KV} else None
+
+    def tokens(m: StreamModify) -> Sequence[int]:
+        try:
+            res = m.stream.wait_cached(KV, timeout, poll_interval)
+        except LMCacheRequestStreamError as err:
+            if err.wait is not None:
+                m.wait_s += err.wait.seconds
+                m.lookups += err.wait.lookups
+            raise
+        m.wait_s += res.seconds
+        m.lookups += res.lookups
+        return m.stream.tokens[: res.hit_tokens]
+
+    def done(m: StreamModify, rewritten: RowsRewritten) -> None:
+        m.cached_len = rewritten.hit_tokens
+        m.new_tokens = [int(t) for t in rewritten.tokens]
+        m.kv_nbytes = rewritten.hit_tokens * token_bytes
+        m.nbytes += m.kv_nbytes
+        m.path = "fused" if rewritten.fused else "tensor"
+
+    return FusedHooks(edit, tokens, done)
