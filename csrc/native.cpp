@@ -21,6 +21,7 @@
 
 #include "common.hpp"
 #include "copy_kernels.hpp"
+#include "fused_blocks.hpp"
 #include "fused_rows.hpp"
 #include "kv_copy.hpp"
 #include "result_buffer.hpp"
@@ -543,6 +544,55 @@ void require_room_for_cold(const std::vector<Mapping*>& owner_of,
   }
 }
 
+// The regions, ids, index and tables every fused gather takes (fused_chunks.hpp), from
+// Python; the caller reads its geometry next, then read_rotation_args.
+void read_fused_args(FusedChunkArgs& a, py::handle src_addrs, py::handle src_nbytes,
+                     py::handle dst_ids, py::handle dst_addrs, py::handle dst_nbytes,
+                     py::handle idx, py::handle n_out, py::handle cos, py::handle sin) {
+  a.src_addrs = to_i64_vector(src_addrs, "source region address");
+  a.src_nbytes = to_i64_vector(src_nbytes, "source region length");
+  a.dst_ids = to_i64_vector(dst_ids, "destination chunk id");
+  a.dst_addrs = to_i64_vector(dst_addrs, "destination region address");
+  a.dst_nbytes = to_i64_vector(dst_nbytes, "destination region length");
+  a.idx = span_arg(idx, "idx");
+  a.cos = span_arg(cos, "cos");
+  a.sin = span_arg(sin, "sin");
+  a.n_out = field(n_out, "n_out");
+}
+
+void read_rotation_args(FusedChunkArgs& a, py::handle head_dim, py::handle rotary_dim,
+                        bool interleaved, const std::string& dtype) {
+  a.head_dim = field(head_dim, "head_dim");
+  a.rotary_dim = field(rotary_dim, "rotary_dim");
+  a.interleaved = interleaved;
+  if (a.rotary_dim) a.dtype = edit_dtype(dtype);
+}
+
+// `n` integers >= 0 (ValueError "<op>: geometry must be <n> integers >= 0 (<names>)").
+std::vector<uint64_t> geometry_arg(py::handle geometry, size_t n, const std::string& op,
+                                   const std::string& names) {
+  const std::vector<int64_t> geo = to_i64_vector(geometry, "geometry");
+  if (geo.size() != n || *std::min_element(geo.begin(), geo.end()) < 0) {
+    throw py::value_error(op + ": geometry must be " + std::to_string(n) +
+                          " integers >= 0 (" + names + ")");
+  }
+  return std::vector<uint64_t>(geo.begin(), geo.end());
+}
+
+// Run a validated fused plan: pin both sides' owners, refuse cold destination pages a
+// full file system cannot back (ENOSPC, not SIGBUS), then execute without the GIL.
+template <typename Plan>
+void run_fused(const Plan& plan, const FusedChunkArgs& a, py::handle src_owners,
+               py::handle dst_owners, const char* op) {
+  PinSet pins;
+  pin_owners(pins, src_owners, a.src_addrs, a.src_nbytes, op, "source region");
+  const std::vector<Mapping*> dst_of =
+      pin_owners(pins, dst_owners, a.dst_addrs, a.dst_nbytes, op, "destination region");
+  require_room_for_cold(dst_of, a.dst_addrs, a.dst_nbytes);
+  py::gil_scoped_release nogil;
+  plan.execute();
+}
+
 void bind_fused_rows(py::module_& m) {
   m.def(
       "fused_rows",
@@ -551,38 +601,18 @@ void bind_fused_rows(py::module_& m) {
          py::handle n_out, py::handle geometry, py::handle cos, py::handle sin,
          py::handle head_dim, py::handle rotary_dim, bool interleaved, const std::string& dtype) {
         FusedRowsArgs a;
-        a.src_addrs = to_i64_vector(src_addrs, "source region address");
-        a.src_nbytes = to_i64_vector(src_nbytes, "source region length");
-        a.dst_ids = to_i64_vector(dst_ids, "destination chunk id");
-        a.dst_addrs = to_i64_vector(dst_addrs, "destination region address");
-        a.dst_nbytes = to_i64_vector(dst_nbytes, "destination region length");
-        a.idx = span_arg(idx, "idx");
-        a.cos = span_arg(cos, "cos");
-        a.sin = span_arg(sin, "sin");
-        a.n_out = field(n_out, "n_out");
-        const std::vector<int64_t> geo = to_i64_vector(geometry, "geometry");
-        if (geo.size() != 5 || *std::min_element(geo.begin(), geo.end()) < 0) {
-          throw py::value_error("fused_rows: geometry must be 5 integers >= 0 (planes, layers, "
-                                "chunk_tokens, width, itemsize)");
-        }
-        a.planes = static_cast<uint64_t>(geo[0]);
-        a.layers = static_cast<uint64_t>(geo[1]);
-        a.chunk_tokens = static_cast<uint64_t>(geo[2]);
-        a.width = static_cast<uint64_t>(geo[3]);
-        a.itemsize = static_cast<uint64_t>(geo[4]);
-        a.head_dim = field(head_dim, "head_dim");
-        a.rotary_dim = field(rotary_dim, "rotary_dim");
-        a.interleaved = interleaved;
-        if (a.rotary_dim) a.dtype = edit_dtype(dtype);
+        read_fused_args(a, src_addrs, src_nbytes, dst_ids, dst_addrs, dst_nbytes, idx, n_out,
+                        cos, sin);
+        const std::vector<uint64_t> geo = geometry_arg(
+            geometry, 5, "fused_rows", "planes, layers, chunk_tokens, width, itemsize");
+        a.planes = geo[0];
+        a.layers = geo[1];
+        a.chunk_tokens = geo[2];
+        a.width = geo[3];
+        a.itemsize = geo[4];
+        read_rotation_args(a, head_dim, rotary_dim, interleaved, dtype);
         const FusedRowsPlan plan(a);
-        PinSet pins;
-        pin_owners(pins, src_owners, a.src_addrs, a.src_nbytes, "fused_rows", "source region");
-        const std::vector<Mapping*> dst_of = pin_owners(pins, dst_owners, a.dst_addrs,
-                                                        a.dst_nbytes, "fused_rows",
-                                                        "destination region");
-        require_room_for_cold(dst_of, a.dst_addrs, a.dst_nbytes);
-        py::gil_scoped_release nogil;
-        plan.execute();
+        run_fused(plan, a, src_owners, dst_owners, "fused_rows");
       },
       "src_addrs"_a, "src_nbytes"_a, "src_owners"_a, "dst_ids"_a, "dst_addrs"_a,
       "dst_nbytes"_a, "dst_owners"_a, "idx"_a, "n_out"_a, "geometry"_a, "cos"_a, "sin"_a,
@@ -590,6 +620,40 @@ void bind_fused_rows(py::module_& m) {
       "dst[j][p][l][r] = src[i // C][p][l][i % C] with i = idx[dst_ids[j] * C + r], plane 0 "
       "re-rotated by cos/sin of that output token when rotary_dim > 0 (spans are (base, "
       "nbytes, offset); ValueError before any byte moves).");
+}
+
+void bind_fused_blocks(py::module_& m) {
+  m.def(
+      "fused_blocks",
+      [](py::handle src_addrs, py::handle src_nbytes, py::handle src_owners, py::handle dst_ids,
+         py::handle dst_addrs, py::handle dst_nbytes, py::handle dst_owners, py::handle idx,
+         py::handle n_out, py::handle geometry, py::handle tok_off, py::handle dim_off,
+         py::handle cos, py::handle sin, py::handle head_dim, py::handle rotary_dim,
+         bool interleaved, const std::string& dtype) {
+        FusedBlocksArgs a;
+        read_fused_args(a, src_addrs, src_nbytes, dst_ids, dst_addrs, dst_nbytes, idx, n_out,
+                        cos, sin);
+        const std::vector<uint64_t> geo = geometry_arg(
+            geometry, 6, "fused_blocks",
+            "layers, chunk_tokens, width, itemsize, block_size, head_size");
+        a.layers = geo[0];
+        a.chunk_tokens = geo[1];
+        a.width = geo[2];
+        a.itemsize = geo[3];
+        a.block_size = geo[4];
+        a.head_size = geo[5];
+        read_rotation_args(a, head_dim, rotary_dim, interleaved, dtype);
+        a.tok_off = to_i64_vector(tok_off, "tok_off");
+        a.dim_off = to_i64_vector(dim_off, "dim_off");
+        const FusedBlocksPlan plan(a);
+        run_fused(plan, a, src_owners, dst_owners, "fused_blocks");
+      },
+      "src_addrs"_a, "src_nbytes"_a, "src_owners"_a, "dst_ids"_a, "dst_addrs"_a,
+      "dst_nbytes"_a, "dst_owners"_a, "idx"_a, "n_out"_a, "geometry"_a, "tok_off"_a,
+      "dim_off"_a, "cos"_a, "sin"_a, "head_dim"_a, "rotary_dim"_a, "interleaved"_a, "dtype"_a,
+      "fused_rows for a CPU engine's raw [L, C, W] chunk objects: element (p, l, t, h, d) at "
+      "l*C*W + (t//BS)*BS*W + h*2*HS + tok_off[p][t%BS] + dim_off[p][d] (geometry = (L, C, W, "
+      "itemsize, BS, HS); tables flat, row-major); ValueError before any byte moves.");
 }
 
 // ValueError unless every page of [addr, addr + len) is mapped: msync(MS_ASYNC) only
@@ -822,6 +886,7 @@ PYBIND11_MODULE(_native, m) {
 
   bind_edit_kernels(m);
   bind_fused_rows(m);
+  bind_fused_blocks(m);
   m.def("set_threads", &set_threads, "n"_a);
   m.def("get_threads", &get_threads);
   m.def("set_parallel_threshold",
@@ -880,8 +945,8 @@ PYBIND11_MODULE(_native, m) {
   m.def(
       "_set_cold_room_margin",
       [](py::handle n) { return g_cold_room_margin.exchange(field(n, "margin")); }, "margin"_a,
-      "Test hook: free bytes fused_rows wants beyond a region's cold pages (default 64 MiB); "
-      "returns the previous value.");
+      "Test hook: free bytes fused_rows / fused_blocks want beyond a region's cold pages "
+      "(default 64 MiB); returns the previous value.");
   m.def("_set_file_write_fault",
         [](int err) {
           if (err < 0) throw py::value_error("errno must be >= 0");

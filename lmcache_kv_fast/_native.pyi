@@ -206,6 +206,31 @@ def fused_rows(src_addrs: Sequence[int], src_nbytes: Sequence[int],
             moves).
     """
 
+def fused_blocks(src_addrs: Sequence[int], src_nbytes: Sequence[int],
+                 src_owners: Sequence[Mapping | None] | None, dst_ids: Sequence[int],
+                 dst_addrs: Sequence[int], dst_nbytes: Sequence[int],
+                 dst_owners: Sequence[Mapping | None] | None, idx: Span, n_out: int,
+                 geometry: tuple[int, int, int, int, int, int], tok_off: Sequence[int],
+                 dim_off: Sequence[int], cos: Span, sin: Span, head_dim: int, rotary_dim: int,
+                 interleaved: bool, dtype: str) -> None:
+    """:func:`fused_rows` for a CPU engine's raw chunk objects, where K/V are not rows.
+
+    Every region holds one ``[L, C, W]`` object (``geometry`` = ``(L, C, W, itemsize, BS,
+    HS)``, W = NH * 2 * HS, C a multiple of BS). Element (plane p, layer l, token t, head
+    h, dim d) is at element ``l*C*W + (t//BS)*BS*W + h*2*HS + tok_off[p][t%BS] +
+    dim_off[p][d]`` (``tok_off`` [2, BS] and ``dim_off`` [2, HS] flat, row-major). Output
+    token ``t`` of destination region ``j`` (output chunk ``dst_ids[j]``) takes source token
+    ``idx[t]``'s K and V on every layer and head; ``rotary_dim > 0``: K turned by ``cos`` /
+    ``sin`` (``head_dim`` must be HS) as :func:`fused_rows` turns it. Owners pinned, cold
+    destination pages need room (else OSError ENOSPC). On the copy pool without the GIL.
+
+    Raises:
+        ValueError: What :func:`fused_rows` refuses, plus a block geometry that is not
+            whole (BS, heads), tables of the wrong shape, or tables that are not a
+            bijection of (p, t % BS, d) onto one block's head cells (before any byte
+            moves).
+    """
+
 def window_scores(q: Span, k: Span, out: Span, layers: int, tokens: int, tq: int,
                   n_kv: int, group: int, head_dim: int, window: int, at_end: bool,
                   scale: float) -> None:

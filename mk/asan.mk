@@ -17,7 +17,7 @@ ASAN_STAGE  := $(ASAN_BUILD)/stage
 ASAN_TESTS  ?= tests/unit/test_copy_parity.py tests/unit/test_native_safety.py \
                tests/unit/test_tensor_checks.py \
                tests/unit/test_native_cold.py tests/unit/test_edit_kernels.py \
-               tests/unit/test_fused_rows.py
+               tests/unit/test_fused_rows.py tests/unit/test_fused_blocks.py
 ASAN_LIBS    = $(shell g++ -print-file-name=libasan.so) $(shell g++ -print-file-name=libubsan.so)
 
 .PHONY: native-asan test-asan

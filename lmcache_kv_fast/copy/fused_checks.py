@@ -1,10 +1,11 @@
-"""Argument checks of ``fused_rows``, shared by the copy backends.
+"""Argument checks of ``fused_rows`` and ``fused_blocks``, shared by the copy backends.
 
 ``fused_rows`` gathers token rows from one set of chunk regions straight into another
-(``csrc/fused_rows.hpp`` says what moves where). The native core validates the regions,
+(``csrc/fused_rows.hpp`` says what moves where); ``fused_blocks`` does the same for a CPU
+engine's raw blocks (``csrc/fused_blocks.hpp``). The native core validates the regions,
 chunk ids and index values itself; these checks cover what only Python can see (tensor
-types, dtypes, devices, layouts) and, for the torch reference, the rest too, with the
-same meaning.
+types, dtypes, devices, layouts, the engine) and, for the torch reference, the rest too,
+with the same meaning. ``op`` names the operation in messages.
 """
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ import bisect
 import itertools
 import operator
 from collections.abc import Sequence
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol, cast
 
 import torch
 
@@ -24,8 +25,8 @@ from lmcache_kv_fast.errors import InvalidArgumentError, InvalidTypeError
 if TYPE_CHECKING:
     from lmcache_kv_fast.copy.edit_kernels import Rotation
 
-__all__ = ["ROTATION_DTYPES", "check_dst_chunk_ids", "check_index", "check_overlaps",
-           "check_rotation", "rotation_dtype"]
+__all__ = ["ROTATION_DTYPES", "BlockEngine", "check_block_engine", "check_dst_chunk_ids",
+           "check_index", "check_overlaps", "check_rotation", "rotation_dtype"]
 
 #: Element types a rotation computes in, by name (the core's names).
 ROTATION_DTYPES = {torch.bfloat16: "bfloat16", torch.float32: "float32"}
@@ -44,22 +45,22 @@ def _dense(t: object, dtype: torch.dtype, what: str) -> torch.Tensor:
     return check_source(t, what)
 
 
-def check_index(index: object) -> torch.Tensor:
+def check_index(index: object, op: str = "fused_rows") -> torch.Tensor:
     """The index: a contiguous int64 CPU tensor ``[n_out]`` (neg bit resolved).
 
     Raises:
         InvalidTypeError: Not a tensor.
         InvalidArgumentError: Wrong dtype, device, layout or rank.
     """
-    t = _dense(index, torch.int64, "fused_rows: index")
+    t = _dense(index, torch.int64, f"{op}: index")
     if t.dim() != 1:
         raise InvalidArgumentError(
-            f"fused_rows: index must be 1-D [n_out], got shape {list(t.shape)}")
+            f"{op}: index must be 1-D [n_out], got shape {list(t.shape)}")
     return t
 
 
 def rotation_dtype(rotation: Rotation | None, geom: ChunkGeometry,
-                   dtype: torch.dtype | None) -> torch.dtype | None:
+                   dtype: torch.dtype | None, op: str = "fused_rows") -> torch.dtype | None:
     """The element type a rotation computes in (None without a rotation).
 
     ``dtype`` names it; None takes it from ``geom.itemsize`` (2: bfloat16, 4: float32).
@@ -73,20 +74,20 @@ def rotation_dtype(rotation: Rotation | None, geom: ChunkGeometry,
         dtype = _BY_ITEMSIZE.get(geom.itemsize)
         if dtype is None:
             raise InvalidArgumentError(
-                f"fused_rows: a rotation needs bfloat16 or float32 rows (itemsize 2 or 4), "
+                f"{op}: a rotation needs bfloat16 or float32 rows (itemsize 2 or 4), "
                 f"got itemsize {geom.itemsize}")
     if dtype not in ROTATION_DTYPES:
         raise InvalidArgumentError(
-            f"fused_rows: a rotation needs bfloat16 or float32 rows, got {dtype}")
+            f"{op}: a rotation needs bfloat16 or float32 rows, got {dtype}")
     if dtype.itemsize != geom.itemsize:
         raise InvalidArgumentError(
-            f"fused_rows: dtype {dtype} has itemsize {dtype.itemsize}, the geometry "
+            f"{op}: dtype {dtype} has itemsize {dtype.itemsize}, the geometry "
             f"{geom.itemsize}")
     return dtype
 
 
-def check_rotation(rotation: Rotation, geom: ChunkGeometry,
-                   n_out: int) -> tuple[torch.Tensor, torch.Tensor]:
+def check_rotation(rotation: Rotation, geom: ChunkGeometry, n_out: int,
+                   op: str = "fused_rows") -> tuple[torch.Tensor, torch.Tensor]:
     """The rotation's geometry and tables; returns ``(cos, sin)`` (neg bits resolved).
 
     Raises:
@@ -97,23 +98,23 @@ def check_rotation(rotation: Rotation, geom: ChunkGeometry,
     hd, rd = operator.index(rotation.head_dim), operator.index(rotation.rotary_dim)
     if hd <= 0 or geom.width % hd:
         raise InvalidArgumentError(
-            f"fused_rows: width {geom.width} is not a whole number of heads of {hd}")
+            f"{op}: width {geom.width} is not a whole number of heads of {hd}")
     if rd <= 0 or rd % 2 or rd > hd:
         raise InvalidArgumentError(
-            f"fused_rows: rotary_dim must be even, >= 2 and at most head_dim {hd}, got {rd}")
+            f"{op}: rotary_dim must be even, >= 2 and at most head_dim {hd}, got {rd}")
     tables = []
     for name in ("cos", "sin"):
-        t = _dense(getattr(rotation, name), torch.float32, f"fused_rows: rotation.{name}")
+        t = _dense(getattr(rotation, name), torch.float32, f"{op}: rotation.{name}")
         if tuple(t.shape) != (n_out, rd // 2):
             raise InvalidArgumentError(
-                f"fused_rows: rotation.{name} has shape {list(t.shape)}, expected "
+                f"{op}: rotation.{name} has shape {list(t.shape)}, expected "
                 f"[{n_out}, {rd // 2}] (n_out, rotary_dim / 2)")
         tables.append(t)
     return tables[0], tables[1]
 
 
-def check_dst_chunk_ids(ids: Sequence[int], n_dst: int, n_out: int, chunk_tokens: int
-                    ) -> list[int]:
+def check_dst_chunk_ids(ids: Sequence[int], n_dst: int, n_out: int, chunk_tokens: int,
+                        op: str = "fused_rows") -> list[int]:
     """Destination chunk ids: one per region, unique, inside the index; returned as ints.
 
     Raises:
@@ -123,22 +124,23 @@ def check_dst_chunk_ids(ids: Sequence[int], n_dst: int, n_out: int, chunk_tokens
     try:
         out = [operator.index(i) for i in ids]
     except TypeError as err:
-        raise InvalidTypeError(f"fused_rows: destination chunk ids must be ints ({err})") from err
+        raise InvalidTypeError(f"{op}: destination chunk ids must be ints ({err})") from err
     if len(out) != n_dst:
         raise InvalidArgumentError(
-            f"fused_rows: {len(out)} destination chunk ids for {n_dst} destination regions")
+            f"{op}: {len(out)} destination chunk ids for {n_dst} destination regions")
     for j, i in enumerate(out):
         if i < 0 or (i + 1) * chunk_tokens > n_out:
             raise InvalidArgumentError(
-                f"fused_rows: destination chunk id {j} is {i}, expected one in "
+                f"{op}: destination chunk id {j} is {i}, expected one in "
                 f"[0, {n_out // chunk_tokens}) (index of {n_out} tokens, {chunk_tokens} a chunk)")
     if len(set(out)) != len(out):
         dup = next(i for i in out if out.count(i) > 1)
-        raise InvalidArgumentError(f"fused_rows: destination chunk id {dup} appears twice")
+        raise InvalidArgumentError(f"{op}: destination chunk id {dup} appears twice")
     return out
 
 
-def check_overlaps(src_addrs: Sequence[int], dst_addrs: Sequence[int], nbytes: int) -> None:
+def check_overlaps(src_addrs: Sequence[int], dst_addrs: Sequence[int], nbytes: int,
+                   op: str = "fused_rows") -> None:
     """No destination chunk (``nbytes`` from its address) overlaps another or a source.
 
     Raises:
@@ -147,10 +149,71 @@ def check_overlaps(src_addrs: Sequence[int], dst_addrs: Sequence[int], nbytes: i
     dst = sorted((a, j) for j, a in enumerate(dst_addrs))
     for (a, i), (b, j) in itertools.pairwise(dst):
         if b < a + nbytes:
-            raise InvalidArgumentError(f"fused_rows: destination regions {i} and {j} overlap")
+            raise InvalidArgumentError(f"{op}: destination regions {i} and {j} overlap")
     starts = [a for a, _ in dst]
     for k, s in enumerate(src_addrs):
         i = bisect.bisect_left(starts, s + nbytes)  # the last destination starting before
         if i and starts[i - 1] + nbytes > s:       # the source's end reaches furthest
             raise InvalidArgumentError(
-                f"fused_rows: destination region {dst[i - 1][1]} overlaps source region {k}")
+                f"{op}: destination region {dst[i - 1][1]} overlaps source region {k}")
+
+
+class BlockEngine(Protocol):
+    """What ``fused_blocks`` uses of a CPU engine's KV geometry (``layout.CpuEngineKV``).
+
+    Typed structurally: ``copy/`` sits below ``layout/`` and does not import it.
+    """
+
+    num_layers: int
+    num_kv_heads: int
+    head_dim: int
+    dtype: torch.dtype
+    block_size: int
+    kernel: str
+
+    def block_offsets(self) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """int64 ``(tok_off [2, BS], dim_off [2, HS])``, or None."""
+
+    def to_tokens(self, raw: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+        """Raw rows ``[L, T, NH*2*HS]`` -> per-token ``[2, L, T, NH*HS]``."""
+
+    def to_raw(self, kv: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+        """Per-token ``[2, L, T, NH*HS]`` -> raw rows ``[L, T, NH*2*HS]``."""
+
+
+def check_block_engine(engine: object, geom: ChunkGeometry, rotation: Rotation | None
+                       ) -> tuple[BlockEngine, torch.Tensor, torch.Tensor]:
+    """The engine and its offset tables, after checking ``geom`` and the rotation against it.
+
+    ``geom`` must describe the engine's raw objects: one plane, its layers, ``width`` =
+    ``NH*2*HS``, its itemsize, whole blocks per chunk; a rotation's ``head_dim`` is HS.
+
+    Raises:
+        InvalidTypeError: ``engine`` has no ``block_offsets``.
+        InvalidArgumentError: A mismatch, or an engine geometry without additive offsets.
+    """
+    if not callable(getattr(engine, "block_offsets", None)):
+        raise InvalidTypeError(
+            f"fused_blocks: engine must be a CpuEngineKV, got {type(engine).__name__}")
+    e = cast(BlockEngine, engine)
+    want = (1, e.num_layers, e.num_kv_heads * 2 * e.head_dim, e.dtype.itemsize)
+    got = (geom.planes, geom.layers, geom.width, geom.itemsize)
+    if got != want:
+        raise InvalidArgumentError(
+            f"fused_blocks: geometry (planes, layers, width, itemsize) {got} is not the "
+            f"engine's raw objects' {want}")
+    if geom.chunk_tokens % e.block_size:
+        raise InvalidArgumentError(
+            f"fused_blocks: chunk_tokens {geom.chunk_tokens} is not a multiple of the "
+            f"engine's block_size {e.block_size}")
+    if rotation is not None and operator.index(rotation.head_dim) != e.head_dim:
+        raise InvalidArgumentError(
+            f"fused_blocks: the rotation's head_dim {rotation.head_dim} is not the engine's "
+            f"head_dim {e.head_dim}")
+    tables = e.block_offsets()
+    if tables is None:
+        raise InvalidArgumentError(
+            f"fused_blocks: the {e.kernel} kernel's order with block_size {e.block_size} and "
+            f"head_dim {e.head_dim} has no additive block offsets (to_raw takes two copies "
+            "there); move its tokens with to_tokens / to_raw")
+    return e, tables[0], tables[1]

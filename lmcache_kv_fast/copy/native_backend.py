@@ -45,6 +45,7 @@ from lmcache_kv_fast.copy.base import (
 )
 from lmcache_kv_fast.copy.fused_checks import (
     ROTATION_DTYPES,
+    check_block_engine,
     check_index,
     check_rotation,
     rotation_dtype,
@@ -54,6 +55,7 @@ from lmcache_kv_fast.errors import InvalidArgumentError, InvalidTypeError
 
 if TYPE_CHECKING:
     from lmcache_kv_fast.copy.edit_kernels import Rotation
+    from lmcache_kv_fast.copy.fused_checks import BlockEngine
 
 logger = logging.getLogger(__name__)
 
@@ -305,21 +307,83 @@ def fused_rows(src_regions: Sequence[Region], dst_chunk_ids: Sequence[int],
     index = check_index(index)
     n_out = index.numel()
     dt = rotation_dtype(rotation, geom, dtype)
+    cos, sin = _tables(rotation, geom, n_out, "fused_rows")
+    regions, keep = _fused_regions(src_regions, dst_chunk_ids, dst_regions, "fused_rows")
+    _native.fused_rows(
+        *regions, _tensor_span(index), n_out,
+        (geom.planes, geom.layers, geom.chunk_tokens, geom.width, geom.itemsize),
+        _tensor_span(cos), _tensor_span(sin), *_rotation_args(rotation),
+        ROTATION_DTYPES[dt] if dt else "")
+    del keep
+
+
+def fused_blocks(src_regions: Sequence[Region], dst_chunk_ids: Sequence[int],
+                 dst_regions: Sequence[Region], index: torch.Tensor, geom: ChunkGeometry,
+                 engine: BlockEngine, rotation: Rotation | None = None) -> None:
+    """:func:`fused_rows` for a CPU engine's raw chunk objects (``engine.raw_layout``).
+
+    Each region holds one ``[L, C, NH*2*HS]`` object of the engine's raw rows (``geom``:
+    one plane, ``width`` NH*2*HS, C whole engine blocks), where a token's K and V are
+    scattered over its block (``layout.cpu_engine``). Output token ``t`` of
+    ``dst_regions[j]`` (output chunk ``dst_chunk_ids[j]``) takes source token
+    ``index[t]``'s K and V on every layer and head, K re-rotated by ``rotation``
+    (``head_dim`` = HS; bit for bit the torch math) when given. Element positions come from
+    ``engine.block_offsets()``. One pass on the copy threads without the GIL.
+
+    Raises:
+        InvalidTypeError: ``index`` or a table is not a tensor, an id not an int, no engine.
+        InvalidArgumentError: Bad index / tables / rotation / dtype; ``geom`` not the
+            engine's raw objects; an engine geometry without additive offsets.
+        ValueError: Bad regions, ids, index values, overlapping regions (before any byte
+            moves).
+    """
+    op = "fused_blocks"
+    index = check_index(index, op)
+    eng, tok_off, dim_off = check_block_engine(engine, geom, rotation)
+    n_out = index.numel()
+    dt = rotation_dtype(rotation, geom, eng.dtype, op)
+    cos, sin = _tables(rotation, geom, n_out, op)
+    regions, keep = _fused_regions(src_regions, dst_chunk_ids, dst_regions, op)
+    _native.fused_blocks(
+        *regions, _tensor_span(index), n_out,
+        (geom.layers, geom.chunk_tokens, geom.width, geom.itemsize, eng.block_size,
+         eng.head_dim),
+        tok_off.reshape(-1).tolist(), dim_off.reshape(-1).tolist(),
+        _tensor_span(cos), _tensor_span(sin), *_rotation_args(rotation),
+        ROTATION_DTYPES[dt] if dt else "")
+    del keep
+
+
+def _tables(rotation: Rotation | None, geom: ChunkGeometry, n_out: int, op: str
+            ) -> tuple[torch.Tensor, torch.Tensor]:
+    """A rotation's checked ``(cos, sin)``, or two empty tables."""
+    if rotation is not None:
+        return check_rotation(rotation, geom, n_out, op)
     empty = torch.empty(0, dtype=torch.float32)
-    cos, sin = check_rotation(rotation, geom, n_out) if rotation is not None else (empty, empty)
+    return empty, empty
+
+
+def _rotation_args(rotation: Rotation | None) -> tuple[int, int, bool]:
+    """``(head_dim, rotary_dim, interleaved)`` for the core; zeros without a rotation."""
+    if rotation is None:
+        return 0, 0, False
+    return rotation.head_dim, rotation.rotary_dim, bool(rotation.interleaved)
+
+
+def _fused_regions(src_regions: Sequence[Region], dst_chunk_ids: Sequence[int],
+                   dst_regions: Sequence[Region], op: str) -> tuple[tuple, list[torch.Tensor]]:
+    """The core's region arguments of a fused gather and the tensors to keep referenced.
+
+    Returns:
+        ``((src addrs, lens, owners, dst ids, dst addrs, lens, owners), tensors)``.
+    """
     try:
         ids = [int(operator.index(i)) for i in dst_chunk_ids]
     except TypeError as err:
-        raise InvalidTypeError(f"fused_rows: destination chunk ids must be ints ({err})") from err
-    s_addrs, s_lens, s_owners, keep_s = _region_args(src_regions, "fused_rows: source")
-    d_addrs, d_lens, d_owners, keep_d = _region_args(dst_regions, "fused_rows: destination")
-    rot = (rotation.head_dim, rotation.rotary_dim, bool(rotation.interleaved)) \
-        if rotation is not None else (0, 0, False)
-    _native.fused_rows(
-        s_addrs, s_lens, s_owners, ids, d_addrs, d_lens, d_owners, _tensor_span(index), n_out,
-        (geom.planes, geom.layers, geom.chunk_tokens, geom.width, geom.itemsize),
-        _tensor_span(cos), _tensor_span(sin), *rot, ROTATION_DTYPES[dt] if dt else "")
-    del keep_s, keep_d
+        raise InvalidTypeError(f"{op}: destination chunk ids must be ints ({err})") from err
+    s_addrs, s_lens, s_owners, keep_s = _region_args(src_regions, f"{op}: source")
+    d_addrs, d_lens, d_owners, keep_d = _region_args(dst_regions, f"{op}: destination")
+    return (s_addrs, s_lens, s_owners, ids, d_addrs, d_lens, d_owners), keep_s + keep_d
 
 
 def alloc_result(shape: Sequence[int], dtype: torch.dtype) -> torch.Tensor:

@@ -26,6 +26,7 @@ from lmcache_kv_fast.copy.base import (
     check_tensor_view,
 )
 from lmcache_kv_fast.copy.fused_checks import (
+    check_block_engine,
     check_dst_chunk_ids,
     check_index,
     check_overlaps,
@@ -38,6 +39,7 @@ from lmcache_kv_fast.errors import InvalidArgumentError
 
 if TYPE_CHECKING:
     from lmcache_kv_fast.copy.edit_kernels import Rotation
+    from lmcache_kv_fast.copy.fused_checks import BlockEngine
 
 NAME = "torch"
 
@@ -179,17 +181,17 @@ def gather(dst: torch.Tensor, geom: ChunkGeometry, chunk_ids: Sequence[int],
 
 
 def _chunk_views(regions: Sequence[Region], geom: ChunkGeometry, dtype: torch.dtype | None,
-                 what: str) -> list[torch.Tensor]:
+                 what: str, op: str = "fused_rows") -> list[torch.Tensor]:
     """Each region's first chunk as ``[P, L, C, W]`` of ``dtype`` (None: bytes, W * itemsize)."""
     views = []
     for j, r in enumerate(regions):
         if r.tensor is None:
-            raise InvalidArgumentError(f"fused_rows: {what} region {j} carries no tensor view")
+            raise InvalidArgumentError(f"{op}: {what} region {j} carries no tensor view")
         if r.nbytes < geom.chunk_nbytes:
             raise InvalidArgumentError(
-                f"fused_rows: {what} region {j} holds {r.nbytes} bytes, expected at least "
+                f"{op}: {what} region {j} holds {r.nbytes} bytes, expected at least "
                 f"{geom.chunk_nbytes} (one {list(geom.object_shape())} x {geom.itemsize} chunk)")
-        check_storage(r.tensor, f"fused_rows: {what} region {j}")
+        check_storage(r.tensor, f"{op}: {what} region {j}")
         flat = r.tensor.reshape(-1).view(torch.uint8)[:geom.chunk_nbytes]
         shape = geom.object_shape()
         views.append(flat.view(dtype).view(shape) if dtype is not None else
@@ -234,12 +236,7 @@ def fused_rows(src_regions: Sequence[Region], dst_chunk_ids: Sequence[int],
     srcs = _chunk_views(src_regions, geom, dt, "source")
     dsts = _chunk_views(dst_regions, geom, dt, "destination")
     check_overlaps([v.data_ptr() for v in srcs], [v.data_ptr() for v in dsts], geom.chunk_nbytes)
-    n_rows = len(srcs) * c
-    if n_out and (int(index.min()) < 0 or int(index.max()) >= n_rows):
-        bad = int(((index < 0) | (index >= n_rows)).nonzero()[0, 0])
-        raise InvalidArgumentError(
-            f"fused_rows: index {bad} is {int(index[bad])}, outside [0, {n_rows}) "
-            f"({len(srcs)} source chunks of {c} tokens)")
+    _check_index_values(index, len(srcs), c, "fused_rows")
     if not dsts:
         return
     full = torch.cat(srcs, dim=2)
@@ -252,6 +249,59 @@ def fused_rows(src_regions: Sequence[Region], dst_chunk_ids: Sequence[int],
         outs.append(out)
     for v, out in zip(dsts, outs, strict=True):
         v.copy_(out)
+
+
+def _check_index_values(index: torch.Tensor, n_src: int, c: int, op: str) -> None:
+    """Every index value names a token of the ``n_src`` source chunks of ``c`` tokens.
+
+    Raises:
+        InvalidArgumentError: Naming the first value outside.
+    """
+    n_rows = n_src * c
+    if index.numel() and (int(index.min()) < 0 or int(index.max()) >= n_rows):
+        bad = int(((index < 0) | (index >= n_rows)).nonzero()[0, 0])
+        raise InvalidArgumentError(
+            f"{op}: index {bad} is {int(index[bad])}, outside [0, {n_rows}) "
+            f"({n_src} source chunks of {c} tokens)")
+
+
+def fused_blocks(src_regions: Sequence[Region], dst_chunk_ids: Sequence[int],
+                 dst_regions: Sequence[Region], index: torch.Tensor, geom: ChunkGeometry,
+                 engine: BlockEngine, rotation: Rotation | None = None) -> None:
+    """The native backend's ``fused_blocks`` computed the long way (torch reference).
+
+    Each source chunk becomes per-token K/V (``engine.to_tokens``), :func:`fused_rows`
+    moves (and turns) those tokens into per-token output chunks, and ``engine.to_raw``
+    writes them into the destination regions. The same checks first (before any byte
+    moves), with the same meaning.
+
+    Raises:
+        InvalidTypeError: ``index`` or a table is not a tensor, an id not an int, no engine.
+        InvalidArgumentError: Bad index, tables, rotation, dtype, engine geometry, regions,
+            ids, index values or overlapping regions.
+    """
+    op = "fused_blocks"
+    index = check_index(index, op)
+    eng, _, _ = check_block_engine(engine, geom, rotation)
+    n_out, c = index.numel(), geom.chunk_tokens
+    rotation_dtype(rotation, geom, eng.dtype, op)
+    if rotation is not None:
+        check_rotation(rotation, geom, n_out, op)
+    ids = check_dst_chunk_ids(dst_chunk_ids, len(dst_regions), n_out, c, op)
+    srcs = _chunk_views(src_regions, geom, eng.dtype, "source", op)
+    dsts = _chunk_views(dst_regions, geom, eng.dtype, "destination", op)
+    check_overlaps([v.data_ptr() for v in srcs], [v.data_ptr() for v in dsts], geom.chunk_nbytes,
+                   op)
+    _check_index_values(index, len(srcs), c, op)
+    if not dsts:
+        return
+    tok_geom = ChunkGeometry(2, geom.layers, c, eng.num_kv_heads * eng.head_dim, geom.itemsize)
+    tok_srcs = [eng.to_tokens(v[0]) for v in srcs]
+    tok_dsts = [torch.empty(tok_geom.object_shape(), dtype=eng.dtype) for _ in ids]
+    fused_rows([Region.of_tensor(t) for t in tok_srcs], ids,
+               [Region.of_tensor(t) for t in tok_dsts], index, tok_geom, rotation, dtype=eng.dtype)
+    for v, t in zip(dsts, tok_dsts, strict=True):
+        eng.to_raw(t, out=v[0])
 
 
 def alloc_result(shape: Sequence[int], dtype: torch.dtype) -> torch.Tensor:

@@ -26,6 +26,7 @@ Kernels whose order was not verified against the installed vLLM (``neon``, ``vxe
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass
 from typing import Any
@@ -247,6 +248,21 @@ class CpuEngineKV:
         self._move(res, kv if _token_view_ok(kv) else kv.contiguous(), tokens, to_raw=True)
         return res
 
+    def block_offsets(self) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """Where a token's K/V elements lie in the raw rows, as two additive tables.
+
+        Element ``(plane p, layer l, token t, head h, dim d)`` of raw rows ``[L, T, W]``
+        (``W = NH*2*HS``) is at element ``l*T*W + (t//BS)*BS*W + h*2*HS + tok_off[p][t %
+        BS] + dim_off[p][d]``: what ``copy.native_backend.fused_blocks`` moves tokens by.
+        The form holds when :meth:`to_raw` takes its single-copy path (each digit either
+        inside a row or stepping whole rows, and ``BS*HS`` whole rows per plane).
+
+        Returns:
+            int64 ``(tok_off [2, BS], dim_off [2, HS])``, or None when it does not hold.
+        """
+        tables = _block_offsets(self.kernel, self.block_size, self.head_dim, self.num_kv_heads)
+        return None if tables is None else (tables[0].clone(), tables[1].clone())
+
     def _check(self, t: Any, name: str, *, raw: bool) -> int:
         if not isinstance(t, torch.Tensor):
             raise InvalidTypeError(f"{name}: expected a torch.Tensor, got {type(t).__name__}")
@@ -366,6 +382,29 @@ class CpuEngineKV:
         strides = [s_layer, bs * s_tok, *weights(t_dig, s_tok), hs, *weights(d_dig, 1)]
         assert math.prod(g.size for g in t_dig) == bs and math.prod(g.size for g in d_dig) == hs
         return kv.as_strided(sizes, strides, kv.storage_offset() + plane * s_plane)
+
+
+@functools.lru_cache(maxsize=64)
+def _block_offsets(kernel: str, bs: int, hs: int, nh: int
+                   ) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """:meth:`CpuEngineKV.block_offsets` of one geometry (cached: a rewrite asks per call)."""
+    row, width = 2 * hs, nh * 2 * hs
+    if (bs * hs) % row:
+        return None
+    tok = torch.zeros((2, bs), dtype=torch.int64)
+    dim = torch.zeros((2, hs), dtype=torch.int64)
+    for plane, digits in enumerate(_plane_digits(kernel, bs, hs)):
+        split = _split_for_rows(digits, row)
+        if split is None:
+            return None
+        for axis, table in (("t", tok[plane]), ("d", dim[plane])):
+            off = torch.zeros(1, dtype=torch.int64)
+            for g in (g for g in split if g.axis == axis):  # major to minor
+                step = (g.fstride // row) * width if g.fstride % row == 0 else g.fstride
+                off = (off[:, None] + torch.arange(g.size, dtype=torch.int64) * step).reshape(-1)
+            table.copy_(off)
+        tok[plane] += plane * (bs * hs // row) * width  # V after K's whole rows
+    return tok, dim
 
 
 def _token_view_ok(t: torch.Tensor) -> bool:

@@ -1,0 +1,369 @@
+#include "fused_blocks.hpp"
+
+#include <algorithm>
+#include <cstring>
+#include <string>
+
+#include "common.hpp"
+#include "thread_pool.hpp"
+
+namespace lmckv {
+
+namespace {
+
+constexpr const char* kWhat = "fused_blocks";
+
+std::string num(uint64_t v) { return std::to_string(v); }
+std::string inum(int64_t v) { return std::to_string(v); }
+
+std::string object_shape(const FusedBlocksArgs& a) {
+  return "[" + num(a.layers) + ", " + num(a.chunk_tokens) + ", " + num(a.width) + "] x " +
+         num(a.itemsize);
+}
+
+// "(plane p, token tb, dim d)" of the table cell code (p * BS + tb) * HS + d.
+std::string cell_name(uint64_t code, uint64_t bs, uint64_t hs) {
+  return "(plane " + num(code / hs / bs) + ", token " + num(code / hs % bs) + ", dim " +
+         num(code % hs) + ")";
+}
+
+// B bytes from s to d through a register-sized temporary (no libc call, no alignment).
+template <size_t B>
+inline void copy_fixed(char* d, const char* s) {
+  char t[B];
+  std::memcpy(t, s, B);
+  std::memcpy(d, t, B);
+}
+
+// The first and the last B of n bytes (B <= n <= 2B): overlapping, so any n in one go.
+template <size_t B>
+inline void copy_ends(char* d, const char* s, size_t n) {
+  char a[B], b[B];
+  std::memcpy(a, s, B);
+  std::memcpy(b, s + n - B, B);
+  std::memcpy(d, a, B);
+  std::memcpy(d + n - B, b, B);
+}
+
+// n bytes from s to d (disjoint): the short copies of a block (a few to a few hundred
+// bytes) inline, where a libc memcpy call would cost more than the bytes.
+inline void copy_small(char* d, const char* s, size_t n) {
+  if (n > 512) {
+    std::memcpy(d, s, n);
+  } else if (n >= 32) {
+    size_t i = 0;
+    for (; i + 32 <= n; i += 32) copy_fixed<32>(d + i, s + i);
+    if (i < n) copy_fixed<32>(d + n - 32, s + n - 32);
+  } else if (n >= 16) {
+    copy_ends<16>(d, s, n);
+  } else if (n >= 8) {
+    copy_ends<8>(d, s, n);
+  } else if (n >= 4) {
+    copy_ends<4>(d, s, n);
+  } else if (n >= 2) {
+    copy_ends<2>(d, s, n);
+  } else if (n == 1) {
+    *d = *s;
+  }
+}
+
+// The n elements of one token's plane, E bytes each: element k moves from src offset
+// sofs + off[k] to dst offset dofs + off[k] (in elements; both >= 0, checked at planning).
+// memcpy of a constant E compiles to one load and store, without an aligned-T* assumption.
+template <size_t E>
+void copy_elements(char* d, int64_t dofs, const char* s, int64_t sofs, const int64_t* off,
+                   uint64_t n) {
+  constexpr auto e = static_cast<int64_t>(E);
+  for (uint64_t k = 0; k < n; ++k) {
+    std::memcpy(d + (dofs + off[k]) * e, s + (sofs + off[k]) * e, E);
+  }
+}
+
+// K of one (token, head) through a contiguous buffer: gather by `off`, rotate, scatter.
+template <size_t E>
+void rotate_elements(char* d, int64_t dofs, const char* s, int64_t sofs, const int64_t* off,
+                     char* buf, RotateFn fn, const float* c, const float* sn, const RowGeom& g) {
+  constexpr auto e = static_cast<int64_t>(E);
+  const uint64_t n = g.head_dim;
+  char* in = buf;
+  char* out = buf + n * E;
+  for (uint64_t k = 0; k < n; ++k) std::memcpy(in + k * E, s + (sofs + off[k]) * e, E);
+  fn(out, in, c, sn, g);
+  for (uint64_t k = 0; k < n; ++k) std::memcpy(d + (dofs + off[k]) * e, out + k * E, E);
+}
+
+}  // namespace
+
+// Every count >= 1, whole blocks and heads, the rotation's geometry; the object's bytes,
+// overflow-checked.
+uint64_t FusedBlocksPlan::checked_chunk_nbytes(const FusedBlocksArgs& a) {
+  if (a.layers == 0 || a.chunk_tokens == 0 || a.width == 0 || a.itemsize == 0 ||
+      a.block_size == 0 || a.head_size == 0) {
+    fused_fail(kWhat, "layers, chunk_tokens, width, itemsize, block_size and head_size must be "
+                      ">= 1, got " + object_shape(a) + ", block_size " + num(a.block_size) +
+                      ", head_size " + num(a.head_size));
+  }
+  if (a.chunk_tokens % a.block_size) {
+    fused_fail(kWhat, "chunk_tokens " + num(a.chunk_tokens) + " is not a multiple of block_size " +
+                          num(a.block_size));
+  }
+  const uint64_t head = checked_mul(2, a.head_size, kWhat);
+  if (a.width % head) {
+    fused_fail(kWhat, "width " + num(a.width) + " is not a whole number of heads of 2 x " +
+                          num(a.head_size) + " (K and V)");
+  }
+  if (a.rotary_dim && a.head_dim != a.head_size) {
+    fused_fail(kWhat, "the rotation's head_dim " + num(a.head_dim) + " is not head_size " +
+                          num(a.head_size));
+  }
+  check_fused_rotation(a, kWhat);
+  const uint64_t lc = checked_mul(a.layers, a.chunk_tokens, kWhat);
+  return checked_mul(checked_mul(lc, a.width, kWhat), a.itemsize, kWhat);
+}
+
+FusedBlocksPlan::FusedBlocksPlan(const FusedBlocksArgs& a)
+    : a_(a),
+      chunk_nbytes_(checked_chunk_nbytes(a)),
+      io_(a, kWhat, chunk_nbytes_, object_shape(a)) {
+  check_tables();
+  check_cells();
+  plan_copies();
+  if (a.rotary_dim) {
+    geom_ = RowGeom{1, a.head_size, a.rotary_dim, a.rotary_dim / 2, a.interleaved};
+    rotate_ = rotate_for(a.dtype, geom_);
+  }
+}
+
+// The tables' shapes, and entries small enough (|x| <= 2^61) that sums and differences of
+// a few of them cannot overflow.
+void FusedBlocksPlan::check_tables() {
+  const uint64_t bs = a_.block_size, hs = a_.head_size;
+  if (a_.tok_off.size() != checked_mul(2, bs, kWhat)) {
+    fused_fail(kWhat, "tok_off has " + num(a_.tok_off.size()) + " entries, expected [2, " +
+                          num(bs) + "] (planes x block_size)");
+  }
+  if (a_.dim_off.size() != checked_mul(2, hs, kWhat)) {
+    fused_fail(kWhat, "dim_off has " + num(a_.dim_off.size()) + " entries, expected [2, " +
+                          num(hs) + "] (planes x head_size)");
+  }
+  const uint64_t block = checked_mul(bs, a_.width, kWhat);  // elements of one block's rows
+  if (block > (uint64_t{1} << 61)) fused_fail(kWhat, "size overflows 64 bits");
+  const auto lim = static_cast<int64_t>(block);
+  auto check = [&](const std::vector<int64_t>& tab, const char* name, uint64_t n) {
+    for (size_t i = 0; i < tab.size(); ++i) {
+      if (tab[i] < -lim || tab[i] > lim) {
+        fused_fail(kWhat, std::string(name) + "[" + num(i / n) + "][" + num(i % n) + "] is " +
+                              inum(tab[i]) + ", beyond one block's " + num(block) + " elements");
+      }
+    }
+  };
+  check(a_.tok_off, "tok_off", bs);
+  check(a_.dim_off, "dim_off", hs);
+}
+
+// (p, tb, d) -> tok_off[p][tb] + dim_off[p][d] lands on the cells {r * W + c : r < BS,
+// c < 2 * HS} of one (block, head), each at most once. There are 2 * BS * HS of both, so
+// this is a bijection: every access stays in its block and head, every byte is written.
+void FusedBlocksPlan::check_cells() const {
+  const uint64_t bs = a_.block_size, hs = a_.head_size, w = a_.width, row = 2 * hs;
+  std::vector<int64_t> owner(bs * row, -1);  // the (p, tb, d) code that took each cell
+  for (uint64_t code = 0; code < 2 * bs * hs; ++code) {
+    const uint64_t p = code / hs / bs, tb = code / hs % bs, d = code % hs;
+    const int64_t v = a_.tok_off[p * bs + tb] + a_.dim_off[p * hs + d];
+    const auto u = static_cast<uint64_t>(v);
+    if (v < 0 || u / w >= bs || u % w >= row) {
+      fused_fail(kWhat, cell_name(code, bs, hs) + " is at offset " + inum(v) +
+                            ", outside its block's cells (" + num(bs) + " rows of " + num(w) +
+                            ", the first " + num(row) + " of each)");
+    }
+    int64_t& cell = owner[u / w * row + u % w];
+    if (cell >= 0) {
+      fused_fail(kWhat, cell_name(static_cast<uint64_t>(cell), bs, hs) + " and " +
+                            cell_name(code, bs, hs) + " are both at offset " + inum(v));
+    }
+    cell = static_cast<int64_t>(code);
+  }
+}
+
+// Add element offset r to segments built in order: extend the last one when r follows
+// it, else start a new one.
+void FusedBlocksPlan::append_cell(std::vector<Seg>& segs, int64_t r) {
+  if (!segs.empty() && segs.back().off + static_cast<int64_t>(segs.back().len) == r) {
+    ++segs.back().len;
+  } else {
+    segs.push_back(Seg{r, 1});
+  }
+}
+
+// Each plane's dim_off as maximal runs of consecutive offsets, and its token lanes.
+void FusedBlocksPlan::plan_copies() {
+  const uint64_t bs = a_.block_size, hs = a_.head_size;
+  for (int p = 0; p < 2; ++p) {
+    const int64_t* off = a_.dim_off.data() + p * hs;
+    const int64_t* tok = a_.tok_off.data() + p * bs;
+    PlaneCopy& c = copy_[p];
+    for (uint64_t k = 0; k < hs; ++k) append_cell(c.segs, off[k]);
+    c.seg_len = c.segs.front().len;
+    for (const Seg& g : c.segs) c.seg_len = g.len == c.seg_len ? c.seg_len : 0;
+    c.elementwise = c.segs.size() == hs && (a_.itemsize == 2 || a_.itemsize == 4);
+    c.lane.assign(bs, 1);
+    const auto step = static_cast<int64_t>(c.seg_len);
+    for (uint64_t tb = bs - 1; step && tb-- > 0;) {
+      if (tok[tb + 1] == tok[tb] + step) c.lane[tb] = c.lane[tb + 1] + 1;
+    }
+    plan_tiles(p);
+  }
+}
+
+// Tiles of n = BS, BS/2, .. 2 tokens (halving while even) where every aligned group of n
+// tokens has the same shape, kept when their segments are on average at least twice as
+// long as one token's (amx's V: a pair of tokens is 4 runs of 32 elements, not 64 single
+// ones; any plane: a whole block).
+void FusedBlocksPlan::plan_tiles(int p) {
+  const uint64_t bs = a_.block_size, hs = a_.head_size;
+  const int64_t* tok = a_.tok_off.data() + p * bs;
+  const int64_t* off = a_.dim_off.data() + p * hs;
+  PlaneCopy& c = copy_[p];
+  for (uint64_t n = bs; n >= 2; n = n % 2 ? 0 : n / 2) {
+    bool same = true;
+    for (uint64_t tb = n; same && tb < bs; ++tb) {
+      same = tok[tb] - tok[tb / n * n] == tok[tb % n] - tok[0];
+    }
+    if (!same) continue;
+    std::vector<int64_t> rel;  // the group's cells, from its first token's offset
+    for (uint64_t i = 0; i < n; ++i) {
+      for (uint64_t d = 0; d < hs; ++d) rel.push_back(tok[i] - tok[0] + off[d]);
+    }
+    std::sort(rel.begin(), rel.end());
+    Tile t{n, {}};
+    for (const int64_t r : rel) append_cell(t.segs, r);
+    if (2 * t.segs.size() <= n * c.segs.size()) c.tiles.push_back(std::move(t));
+  }
+}
+
+// Plane p of n tokens of one head: d, s are the head's first byte in the destination and
+// source blocks; destination tokens dtb.. take source tokens stb.. (n > 1 only inside both
+// lanes: then each segment of the n tokens is one contiguous range on both sides).
+void FusedBlocksPlan::copy_plane(int p, char* d, uint64_t dtb, const char* s, uint64_t stb,
+                                 uint64_t n) const {
+  const uint64_t bs = a_.block_size, hs = a_.head_size, e = a_.itemsize;
+  const int64_t dofs = a_.tok_off[p * bs + dtb], sofs = a_.tok_off[p * bs + stb];
+  const PlaneCopy& c = copy_[p];
+  if (n == 1 && c.elementwise) {
+    const int64_t* off = a_.dim_off.data() + p * hs;
+    if (e == 2) {
+      copy_elements<2>(d, dofs, s, sofs, off, hs);
+    } else {
+      copy_elements<4>(d, dofs, s, sofs, off, hs);
+    }
+    return;
+  }
+  for (const Seg& g : c.segs) {
+    copy_small(d + static_cast<uint64_t>(dofs + g.off) * e,
+               s + static_cast<uint64_t>(sofs + g.off) * e, n * g.len * e);
+  }
+}
+
+// K of one (token, head), re-rotated for output token t (as copy_plane; `buf`: 2 * HS
+// elements of scratch).
+void FusedBlocksPlan::rotate_k(char* d, uint64_t dtb, const char* s, uint64_t stb,
+                               uint64_t t, char* buf) const {
+  const int64_t dofs = a_.tok_off[dtb], sofs = a_.tok_off[stb];
+  const int64_t* off = a_.dim_off.data();
+  const float* c = io_.cos + t * geom_.half;
+  const float* sn = io_.sin + t * geom_.half;
+  if (a_.itemsize == 2) {
+    rotate_elements<2>(d, dofs, s, sofs, off, buf, rotate_, c, sn, geom_);
+  } else {
+    rotate_elements<4>(d, dofs, s, sofs, off, buf, rotate_, c, sn, geom_);
+  }
+}
+
+// The largest tile of plane p that destination token tb starts: tb and its source aligned
+// to it, the tile's tokens all from the sources that follow in the same block.
+const FusedBlocksPlan::Tile* FusedBlocksPlan::tile_for(int p, uint64_t tb,
+                                                       const SrcToken& f) const {
+  for (const Tile& t : copy_[p].tiles) {
+    if (tb % t.tokens == 0 && f.tb % t.tokens == 0 && f.run >= t.tokens) return &t;
+  }
+  return nullptr;
+}
+
+// One destination block (d: its first byte; token tb from `from[tb]`), plane by plane:
+// whole tiles where they fit, else runs of tokens whose sources follow each other within
+// both lanes (V, and K without a rotation); a rotated K token by token (output token
+// t0 + tb). Heads innermost: the heads of one token sit side by side in a raw row, so
+// both sides are walked row by row, as the prefetchers like (head by head, whole blocks
+// moved 3x slower: 12.8 against 3.9 ms for 56 MiB of amx blocks, 2 threads).
+void FusedBlocksPlan::copy_block(char* d, const std::vector<SrcToken>& from, uint64_t t0,
+                                 char* buf) const {
+  const uint64_t bs = a_.block_size, e = a_.itemsize, head = 2 * a_.head_size * e;
+  const uint64_t heads = a_.width / (2 * a_.head_size);
+  for (int p = rotate_ != nullptr ? 1 : 0; p < 2; ++p) {
+    const int64_t* tok = a_.tok_off.data() + p * bs;
+    for (uint64_t tb = 0, n; tb < bs; tb += n) {
+      const SrcToken& f = from[tb];
+      if (const Tile* t = tile_for(p, tb, f)) {
+        for (const Seg& g : t->segs) {
+          char* dg = d + static_cast<uint64_t>(tok[tb] + g.off) * e;
+          const char* sg = f.block + static_cast<uint64_t>(tok[f.tb] + g.off) * e;
+          for (uint64_t h = 0; h < heads; ++h) {
+            copy_small(dg + h * head, sg + h * head, g.len * e);
+          }
+        }
+        n = t->tokens;
+      } else {
+        n = std::min({f.run, copy_[p].lane[tb], copy_[p].lane[f.tb]});
+        for (uint64_t h = 0; h < heads; ++h) {
+          copy_plane(p, d + h * head, tb, f.block + h * head, f.tb, n);
+        }
+      }
+    }
+  }
+  for (uint64_t tb = 0; rotate_ != nullptr && tb < bs; ++tb) {
+    for (uint64_t h = 0; h < heads; ++h) {
+      rotate_k(d + h * head, tb, from[tb].block + h * head, from[tb].tb, t0 + tb, buf);
+    }
+  }
+}
+
+// One (destination j, layer l, block b): the destination block (BS raw rows) and the few
+// source blocks it reads stay in L1/L2 while it is written.
+void FusedBlocksPlan::run_unit(uint64_t unit, std::vector<SrcToken>& from,
+                               std::vector<char>& buf) const {
+  const uint64_t bs = a_.block_size, c = a_.chunk_tokens, row_bytes = a_.width * a_.itemsize;
+  const uint64_t nblk = c / bs;
+  const uint64_t j = unit / (a_.layers * nblk), l = unit / nblk % a_.layers, b = unit % nblk;
+  const uint64_t t0 = io_.ids[j] * c + b * bs;  // output token of the block's token 0
+  for (uint64_t tb = 0; tb < bs; ++tb) {
+    const auto s = static_cast<uint64_t>(io_.idx[t0 + tb]);
+    const uint64_t st = s % c;
+    from[tb] = SrcToken{io_.src[s / c] + (l * c + st / bs * bs) * row_bytes, st % bs, 1};
+  }
+  for (uint64_t tb = bs - 1; tb-- > 0;) {  // runs of sources that follow each other
+    const SrcToken &f = from[tb], &g = from[tb + 1];
+    if (g.block == f.block && g.tb == f.tb + 1) from[tb].run = g.run + 1;
+  }
+  copy_block(io_.dst[j] + (l * c + b * bs) * row_bytes, from, t0, buf.data());
+}
+
+// Units [first, last) of the (destination, layer, block) order, with this task's scratch.
+void FusedBlocksPlan::run_units(uint64_t first, uint64_t last) const {
+  std::vector<SrcToken> from(a_.block_size);
+  std::vector<char> buf(rotate_ != nullptr ? 2 * a_.head_size * a_.itemsize : 0);
+  for (uint64_t u = first; u < last; ++u) run_unit(u, from, buf);
+}
+
+void FusedBlocksPlan::execute() const {
+  const uint64_t units = io_.dst.size() * a_.layers * (a_.chunk_tokens / a_.block_size);
+  if (units == 0) return;
+  const int max_tasks = static_cast<int>(std::min<uint64_t>(units, 1u << 20));
+  run_parallel(total_bytes(), max_tasks, [this, units](int task, int ntasks) {
+    using U = unsigned __int128;  // units * ntasks may pass 64 bits
+    const U t = static_cast<U>(task), nt = static_cast<U>(ntasks);
+    run_units(static_cast<uint64_t>(units * t / nt),
+              static_cast<uint64_t>(units * (t + 1) / nt));
+  });
+}
+
+}  // namespace lmckv

@@ -1,0 +1,101 @@
+// fused_rows' job (fused_chunks.hpp: a selection edit's token gather from source chunk
+// regions straight into destination chunk regions, K optionally re-rotated, one pass) for
+// a CPU vLLM engine's raw chunk objects, where a token's K and V are not one row.
+//
+// Every region holds one object [L, C, W] contiguous (W = NH * 2 * HS elements of
+// `itemsize` bytes per raw row, NH kv heads of head size HS; C a multiple of the engine's
+// block size BS). Element (plane p: 0 = K, 1 = V; layer l; chunk token t; head h; dim d)
+// lies at element offset
+//
+//   l * C * W + (t / BS) * BS * W + h * 2 * HS + tok_off[p][t % BS] + dim_off[p][d]
+//
+// (tok_off int64 [2, BS], dim_off int64 [2, HS]: CpuEngineKV.block_offsets()). Output
+// token t of destination region j (output chunk dst_ids[j]) takes source token idx[t] on
+// both planes, every layer and head. With a rotation (head_dim == HS), K's HS elements of
+// each (token, layer, head) are gathered through dim_off[0] into a small buffer, turned by
+// the row kernel of rope_rotate.hpp (so the bytes are torch's, as in fused_rows) and
+// scattered back through dim_off[0]; V is copied.
+//
+// Planning validates everything fused_rows does (fused_chunks.hpp) plus the block
+// geometry and the tables: (p, tb, d) -> tok_off[p][tb] + dim_off[p][d] must be a
+// bijection onto the cells {r * W + c : r < BS, c < 2 * HS} of one (block, head), which
+// proves every access in bounds and every destination byte written. Execution runs on the
+// copy pool WITHOUT the GIL, in units of (destination, layer, block); the caller pins
+// mapped regions' owners (native.cpp).
+#pragma once
+
+#include <cstdint>
+#include <vector>
+
+#include "fused_chunks.hpp"
+#include "rope_rotate.hpp"
+
+namespace lmckv {
+
+// The shared arguments plus the engine's block geometry and offset tables.
+struct FusedBlocksArgs : FusedChunkArgs {
+  uint64_t block_size = 0, head_size = 0;  // BS, HS (width = NH * 2 * HS)
+  std::vector<int64_t> tok_off, dim_off;   // [2, BS], [2, HS], row-major
+};
+
+class FusedBlocksPlan {
+ public:
+  explicit FusedBlocksPlan(const FusedBlocksArgs& a);  // validates (ValueError)
+  void execute() const;                                // without the GIL
+  uint64_t total_bytes() const { return io_.dst.size() * io_.chunk_nbytes; }
+
+ private:
+  // dim_off[p][k0 .. k0 + len) are offsets off, off + 1, ..: one copy of len elements.
+  struct Seg {
+    int64_t off;
+    uint64_t len;
+  };
+  // How one plane's elements move. Per token: segment by segment, or element by element
+  // (every segment one element long, itemsize 2 or 4: a tight loop). Tokens tb ..
+  // tb + lane[tb] - 1 follow each other `seg_len` elements apart, so when their sources
+  // do too, each segment of all of them is one contiguous copy (vec's K: a run of tokens
+  // per dim; amx's K: per pair of dims within 16 tokens; vec's V: two tokens' rows).
+  // `tokens` aligned tokens whose sources are aligned tokens of one block, in order: their
+  // cells are the same segments (offsets from the first token's) on both sides.
+  struct Tile {
+    uint64_t tokens;
+    std::vector<Seg> segs;
+  };
+  struct PlaneCopy {
+    std::vector<Tile> tiles;  // the useful ones, most tokens first
+    std::vector<Seg> segs;
+    uint64_t seg_len = 0;  // every segment's length, 0 if they differ
+    bool elementwise = false;
+    std::vector<uint64_t> lane;  // [BS]; all 1 when seg_len is 0
+  };
+  // Where a token of one destination block comes from: the source block's first byte
+  // (layer l, head 0), the token's place in it, and how many tokens from this one on come
+  // from the tokens after it in the same block.
+  struct SrcToken {
+    const char* block;
+    uint64_t tb, run;
+  };
+
+  static uint64_t checked_chunk_nbytes(const FusedBlocksArgs& a);  // validates the geometry
+  static void append_cell(std::vector<Seg>& segs, int64_t r);
+  void check_tables();
+  void check_cells() const;
+  void plan_copies();
+  void plan_tiles(int p);
+  void run_units(uint64_t first, uint64_t last) const;
+  void run_unit(uint64_t unit, std::vector<SrcToken>& from, std::vector<char>& buf) const;
+  void copy_plane(int p, char* d, uint64_t dtb, const char* s, uint64_t stb, uint64_t n) const;
+  const Tile* tile_for(int p, uint64_t tb, const SrcToken& f) const;
+  void copy_block(char* d, const std::vector<SrcToken>& from, uint64_t t0, char* buf) const;
+  void rotate_k(char* d, uint64_t dtb, const char* s, uint64_t stb, uint64_t t,
+                char* buf) const;
+
+  FusedBlocksArgs a_;
+  uint64_t chunk_nbytes_ = 0;
+  FusedChunks io_;  // validated regions, ids, index and tables
+  PlaneCopy copy_[2];
+  RowGeom geom_{};            // one head of K, for the rotation
+  RotateFn rotate_ = nullptr;  // nullptr: no rotation
+};
+
+}  // namespace lmckv
