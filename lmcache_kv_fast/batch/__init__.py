@@ -25,6 +25,7 @@ from lmcache_kv_fast.batch._api import (
     store_many,
 )
 from lmcache_kv_fast.batch._engine import RewriteEngine, run_rewrite
+from lmcache_kv_fast.batch._fused import FusedHooks
 from lmcache_kv_fast.batch._pools import BufferPool, OutputPool
 from lmcache_kv_fast.batch._report import BatchReport, ItemError, ItemResult
 
@@ -33,6 +34,7 @@ __all__ = [
     "REWRITE_MAX_IN_FLIGHT",
     "BatchReport",
     "BufferPool",
+    "FusedHooks",
     "ItemError",
     "ItemResult",
     "ModifyFn",

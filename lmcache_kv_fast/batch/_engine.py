@@ -137,10 +137,8 @@ class RewriteEngine:
             store is visible); default: the item is a token sequence, retrieved (reused buffers).
         progress: Show a progress bar.
         desc: Progress label.
-        store: ``store(kv, tokens, cache_salt) -> StoreResult`` instead of
-            ``ctx.store_ex`` (same accounting).
-        fused: With a custom ``fetch`` / ``store``: which items still take the fused path
-            and how (:class:`~lmcache_kv_fast.batch._fused.FusedHooks`).
+        store: ``store(kv, tokens, cache_salt) -> StoreResult`` instead of ``ctx.store_ex``.
+        fused: With a custom fetch / store, which items still run fused (``FusedHooks``).
 
     Raises:
         InvalidArgumentError: Bad arguments.

@@ -19,8 +19,7 @@ from typing import Any
 
 import torch
 
-from lmcache_kv_fast.batch import RewriteEngine
-from lmcache_kv_fast.batch._fused import FusedHooks
+from lmcache_kv_fast.batch import FusedHooks, RewriteEngine
 from lmcache_kv_fast.client.context import LMCacheKVCacheContext
 from lmcache_kv_fast.results import StoreResult
 

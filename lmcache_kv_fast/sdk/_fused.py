@@ -13,16 +13,12 @@ other ``fn``, take wait → retrieve → ``fn`` → store.
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
-from lmcache_kv_fast.batch._fused import FusedHooks
-from lmcache_kv_fast.client.rewrite import RowsRewritten
+from lmcache_kv_fast.batch import FusedHooks
 from lmcache_kv_fast.edits import plannable
 from lmcache_kv_fast.sdk.cache_kind import LMCacheSDKCacheKind
 from lmcache_kv_fast.sdk.request import LMCacheRequestStreamError
-
-if TYPE_CHECKING:
-    from lmcache_kv_fast.sdk._modify import StreamModify
 
 __all__ = ["fused_hooks"]
 
@@ -42,10 +38,10 @@ def fused_hooks(fn: Callable[..., Any], timeout: float, poll_interval: float,
     if not plannable(fn):
         return None
 
-    def edit(m: StreamModify, _engine_fn: Callable[..., Any]) -> Callable[..., Any] | None:
+    def edit(m: Any, _engine_fn: Callable[..., Any]) -> Callable[..., Any] | None:
         return fn if set(m.stream.contexts) == {KV} else None
 
-    def tokens(m: StreamModify) -> Sequence[int]:
+    def tokens(m: Any) -> Sequence[int]:
         try:
             res = m.stream.wait_cached(KV, timeout, poll_interval)
         except LMCacheRequestStreamError as err:
@@ -57,7 +53,7 @@ def fused_hooks(fn: Callable[..., Any], timeout: float, poll_interval: float,
         m.lookups += res.lookups
         return m.stream.tokens[: res.hit_tokens]
 
-    def done(m: StreamModify, rewritten: RowsRewritten) -> None:
+    def done(m: Any, rewritten: Any) -> None:
         m.cached_len = rewritten.hit_tokens
         m.new_tokens = [int(t) for t in rewritten.tokens]
         m.kv_nbytes = rewritten.hit_tokens * token_bytes

@@ -2,28 +2,34 @@
 
 The reference is the same edit on tensors (what the tensor path stores): V and plain
 gathers bit-exact, a single re-rotation bit-exact too (the core rounds as torch does), a
-chain's one combined rotation within a bf16 ulp. On the inline plane, for edits the
-library cannot plan, and for a CPU engine's rows the tensor path runs, and the report says
-which path ran.
+chain's one combined rotation within a bf16 ulp. On the inline plane and for edits the
+library cannot plan the tensor path runs, and the report says which path ran. A CPU
+engine's rows (registered engine-driven as the engine's connector does; the engine
+itself: tests/engine/test_engine_fused.py) are rewritten in the kernel's element order
+(``fused_blocks``): read back per token they are the tensor edit's, and raw they are the
+converter's rows of it.
 """
 
 from __future__ import annotations
 
 import pytest
 import torch
-from conftest import make_model, rand_tokens
+from conftest import make_model, rand_tokens, unique_model_name
 
 import lmcache_kv_fast.kvcache as lmc_sdk
 from lmcache_kv_fast import batch, edits
 from lmcache_kv_fast.batch import RewriteEngine
+from lmcache_kv_fast.layout import CpuEngineKV
+from lmcache_kv_fast.testing.register import register_engine_driven, unregister_engine_driven
 
 C = 256
 HEAD = 128
+ROPE_SCALING = {"rope_type": "llama3", "factor": 32.0, "low_freq_factor": 1.0,
+                "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}
 ROPE = edits.rope_from_config({
     "rope_theta": 500000.0, "head_dim": HEAD, "hidden_size": 1024,
     "num_attention_heads": 8, "num_key_value_heads": 8, "max_position_embeddings": 131072,
-    "rope_scaling": {"rope_type": "llama3", "factor": 32.0, "low_freq_factor": 1.0,
-                     "high_freq_factor": 4.0, "original_max_position_embeddings": 8192},
+    "rope_scaling": ROPE_SCALING,
 })
 
 
@@ -156,3 +162,44 @@ def test_single_plane_models_get_the_edits_own_error(server_shm):
         assert rep.failed == 1 and rep.errors[0].stage == "fn", rep.summary()
         assert "[2, L, T, D]" in rep.errors[0].reason
         assert _settled(m.server) == (0, 0, 0)
+
+
+#: A Llama config.json: 2 layers, 2 KV heads x 128, bfloat16 (the engine's rows 512 wide).
+ENGINE_CONFIG = {
+    "architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 512,
+    "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
+    "head_dim": HEAD, "torch_dtype": "bfloat16", "vocab_size": 1024,
+    "rope_theta": 500000.0, "max_position_embeddings": 131072,
+    "rope_scaling": ROPE_SCALING,
+}
+
+
+@pytest.mark.parametrize("kernel", ["vec", "amx"])
+def test_cpu_engine_rows_fused_in_the_kernels_order(server, kernel):
+    name = unique_model_name("fused-engine")
+    iid = register_engine_driven(server.url, name, block_size=128, use_mla=True,
+                                 hidden=2 * 2 * HEAD)
+    try:
+        with lmc_sdk.connect(server.url, server.http_url, name, model_config=ENGINE_CONFIG,
+                             kernel=kernel) as ctx:
+            cpu = ctx.engine_kv
+            assert cpu == CpuEngineKV(2, 2, HEAD, torch.bfloat16, 128, kernel)
+            shm = ctx.transport == "shm"
+            assert ctx.rewrites_rows == shm
+            toks = [rand_tokens(3 * C, seed=800 + i) for i in range(2)]
+            kvs = [torch.randn(2, 2, 3 * C, 2 * HEAD).to(torch.bfloat16) for _ in toks]
+            for t, kv in zip(toks, kvs, strict=True):
+                assert ctx.store(kv, t)
+            rope = edits.rope_from_config(ENGINE_CONFIG)
+            for fn in (edits.drop_every(10), edits.drop_every(7, rope=rope)):
+                rep = batch.rewrite(ctx, toks, fn, progress=False)
+                assert rep.ok == 2 and rep.path == ("fused" if shm else "tensor"), rep.summary()
+                _check(ctx, fn, toks, kvs)
+                want, kept = fn(kvs[0], toks[0])
+                n = len(kept) // C * C
+                raw = ctx.retrieve(kept, raw=True)
+                assert torch.equal(raw.view(torch.int16),
+                                   cpu.to_raw(want[:, :, :n]).view(torch.int16))
+            assert _settled(server) == (0, 0, 0)
+    finally:
+        unregister_engine_driven(server.url, iid)

@@ -293,4 +293,9 @@ def test_bench_w6_quick(openai_engine, engine_server, model_name):
         assert v["external_hits"] >= 3 * 256  # the decode read the edited prefixes
     assert set(doc["targets"]) == {"modify_speedup", "modify_rss_ratio",
                                    "modify_private_rss_ratio"}
+    # this SDK's side ran the library's drop edit, every stream slot to slot in the
+    # engine's element order; the decode read those rows (external hits above)
+    assert doc["edit"] == "library" and doc["targets"]["modify_speedup"]["target"] == 15.0
+    ours = [r for r in doc["runs"] if r["side"] == "ours"]
+    assert ours and all(r["fused_streams"] == 3 for r in ours)
     assert doc["pool"] == "as given (--url)"  # a server given by URL is never emptied
