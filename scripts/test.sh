@@ -29,6 +29,7 @@ echo "[test] LMCache 0.5.7rc2 server (core integration, sdk and engine tests aga
 LMCACHE_KV_FAST_TEST_SERVER=0.5.7rc2 $PYTEST -q -m "not compat" -p no:cacheprovider \
   tests/integration/test_roundtrip.py tests/integration/test_interop.py \
   tests/integration/test_read_hints.py tests/integration/test_batch.py \
-  tests/integration/test_fused_rewrite.py tests/integration/test_events.py tests/sdk/test_sdk_server.py tests/integration/test_snapkv_qcache.py \
+  tests/integration/test_fused_rewrite.py tests/integration/test_events.py tests/sdk/test_sdk_server.py \
+  tests/sdk/test_sdk_fused.py tests/integration/test_snapkv_qcache.py \
   tests/distributed/test_fleet_grpc.py tests/engine tests/sdk/test_sdk_engine.py \
   --ignore=tests/engine/test_engine_edits.py -k "not heartbeat and not stress" "$@"
