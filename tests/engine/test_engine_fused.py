@@ -17,7 +17,7 @@ import logging
 import torch
 
 import lmcache_kv_fast as lkf
-from lmcache_kv_fast import edits
+from lmcache_kv_fast import batch, edits
 from testbed.engine import OfflineEngine
 
 from .common import CHUNK, tokens
@@ -42,7 +42,7 @@ def test_fused_rewrite_is_the_edit_and_the_engine_reuses_it(offline_engine: Offl
     n = len(kept) // CHUNK * CHUNK
     assert n == 3 * CHUNK
 
-    rep = lkf.batch.rewrite(sdk, [prompt], edit, progress=False)
+    rep = batch.rewrite(sdk, [prompt], edit, progress=False)
     assert rep.path == "fused" and rep.fused == 1 and not rep.failed, rep.summary()
     got = sdk.retrieve(kept)
     assert got is not None and got.shape[2] == n
