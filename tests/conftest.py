@@ -212,6 +212,26 @@ def create_shm_segment(size: int, tag: str = "test") -> str:
     return name
 
 
+@pytest.fixture
+def shm_segments(request: pytest.FixtureRequest) -> Iterator[Callable[[int], str]]:
+    """``make(size) -> name``: fresh /dev/shm segments, every one unlinked afterwards."""
+    created: list[str] = []
+    tag = request.module.__name__.rpartition(".")[2].removeprefix("test_")
+
+    def make(size: int) -> str:
+        created.append(create_shm_segment(size, tag))
+        return created[-1]
+
+    try:
+        yield make
+    finally:
+        for name in created:
+            try:
+                os.unlink(f"/dev/shm/{name}")
+            except FileNotFoundError:
+                pass
+
+
 def run_threads(worker: Callable[[int], None], n: int, timeout: float = 120.0) -> list[BaseException]:
     """Run ``worker(i)`` for ``i in range(n)`` on threads; return what they raised.
 

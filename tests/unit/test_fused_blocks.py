@@ -13,31 +13,22 @@ from __future__ import annotations
 
 import dataclasses
 import errno
-import os
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 import pytest
 import torch
-from conftest import create_shm_segment
+from fused_support import SENTINEL, Slot, blank, chunk_ids, rotation_for, token_index
 
 from lmcache_kv_fast import _native, edits
 from lmcache_kv_fast.copy import native_backend as nb
 from lmcache_kv_fast.copy import torch_backend as tb
 from lmcache_kv_fast.copy.base import ChunkGeometry, Region
 from lmcache_kv_fast.copy.edit_kernels import Rotation
-from lmcache_kv_fast.edits._rerotate import _cos_sin
 from lmcache_kv_fast.errors import InvalidArgumentError, InvalidTypeError
 from lmcache_kv_fast.layout import CpuEngineKV
 
-SENTINEL = 0x5A  # every destination byte before a call
 INTS = {2: torch.int16, 4: torch.int32}
-
-
-@dataclass(frozen=True)
-class _Slot:
-    offset: int
-    length: int
 
 
 @dataclass(frozen=True)
@@ -151,23 +142,7 @@ def _rope(case: Case) -> edits.RoPE:
 
 
 def _index(case: Case, seed: int = 0) -> torch.Tensor:
-    rows = case.n_src * case.chunk
-    gen = torch.Generator().manual_seed(seed)
-    if case.index == "drop10":
-        idx = [t for t in range(rows) if t % 10 != 9]
-    elif case.index == "keep":
-        idx = sorted(torch.randperm(rows, generator=gen)[: rows * 2 // 3].tolist())
-    elif case.index == "dups":  # repeats, any order
-        idx = torch.randint(0, rows, (rows * 3 // 4,), generator=gen).tolist()
-    elif case.index == "shift":  # every token from 5 on: each block straddles two sources
-        idx = list(range(5, rows))
-    elif case.index == "same":  # every token where it was: whole blocks move as they are
-        idx = list(range(rows))
-    elif case.index == "pairs":  # two of every 20 dropped: even shifts (pairs stay pairs)
-        idx = [t for t in range(rows) if t % 20 < 18]
-    else:  # one engine block dropped: the blocks after it move whole
-        idx = [t for t in range(rows) if not case.block_size <= t < 2 * case.block_size]
-    return torch.tensor(idx, dtype=torch.int64)
+    return token_index(case.index, case.n_src * case.chunk, case.block_size, seed)
 
 
 def _sources(case: Case, seed: int = 1) -> list[torch.Tensor]:
@@ -177,27 +152,15 @@ def _sources(case: Case, seed: int = 1) -> list[torch.Tensor]:
 
 
 def _rotation(case: Case, idx: torch.Tensor) -> Rotation | None:
-    if case.rope is None:
-        return None
-    rope = _rope(case)
-    cos, sin = _cos_sin(torch.arange(idx.numel(), dtype=torch.int64) - idx, rope)
-    return Rotation(cos[:, 0].contiguous(), sin[:, 0].contiguous(), rope.head_dim,
-                    rope.rotary_dim, rope.interleaved)
+    return rotation_for(_rope(case) if case.rope is not None else None, idx)
 
 
 def _chunk_ids(case: Case, n_out: int) -> list[int]:
-    ids = list(range(n_out // case.chunk))
-    if case.subset:
-        gen = torch.Generator().manual_seed(7)
-        ids = [ids[i] for i in torch.randperm(len(ids), generator=gen).tolist()]
-        ids = ids[: max(1, len(ids) // 2)]
-    return ids
+    return chunk_ids(case.chunk, n_out, case.subset)
 
 
 def _blank(case: Case) -> torch.Tensor:
-    t = torch.empty(case.geom.object_shape(), dtype=case.dtype)
-    t.view(torch.uint8).fill_(SENTINEL)
-    return t
+    return blank(case.geom.object_shape(), case.dtype)
 
 
 def _plain_torch(case: Case, srcs: list[torch.Tensor], idx: torch.Tensor) -> torch.Tensor:
@@ -301,34 +264,15 @@ def test_pool_split_matches(name: str, small_pool_tasks: None) -> None:
 
 
 # ------------------------------------------------------------------ shm regions
-@pytest.fixture
-def shm_name() -> Iterator[Callable[[int], str]]:
-    """Make unique /dev/shm segments; every one is unlinked afterwards."""
-    created: list[str] = []
-
-    def make(size: int) -> str:
-        created.append(create_shm_segment(size, "fusedblk"))
-        return created[-1]
-
-    try:
-        yield make
-    finally:
-        for name in created:
-            try:
-                os.unlink(f"/dev/shm/{name}")
-            except FileNotFoundError:
-                pass
-
-
-def test_mapped_regions(shm_name: Callable[[int], str]) -> None:
+def test_mapped_regions(shm_segments: Callable[[int], str]) -> None:
     """Sources and destinations in a real shm segment (MappedRegion)."""
     case = Case(kernel="amx", head_dim=64, block_size=32, index="keep", rope="default")
     srcs, idx = _sources(case), _index(case)
     ids = _chunk_ids(case, idx.numel())
     rotation = _rotation(case, idx)
     nbytes = case.geom.chunk_nbytes
-    slots = [_Slot(k * nbytes, nbytes) for k in range(case.n_src + len(ids))]
-    name = shm_name(len(slots) * nbytes)
+    slots = [Slot(k * nbytes, nbytes) for k in range(case.n_src + len(ids))]
+    name = shm_segments(len(slots) * nbytes)
     seg, view = nb.open_segment(name), tb.open_segment(name)
     try:
         mapped = seg.regions(slots, nbytes, 64)
@@ -346,16 +290,16 @@ def test_mapped_regions(shm_name: Callable[[int], str]) -> None:
 
 
 def test_cold_destinations_on_a_full_file_system_raise_enospc(
-        shm_name: Callable[[int], str]) -> None:
+        shm_segments: Callable[[int], str]) -> None:
     """Pages not allocated yet are written only with room for them (else SIGBUS): ENOSPC."""
     case = Case()
     srcs, idx = _sources(case), _index(case)[: Case().chunk]
     nbytes = case.geom.chunk_nbytes
-    name = shm_name(nbytes)  # sparse: its pages are not allocated yet
+    name = shm_segments(nbytes)  # sparse: its pages are not allocated yet
     seg, view = nb.open_segment(name), tb.open_segment(name)
     prev = _native._set_cold_room_margin(1 << 62)  # as if the file system were full
     try:
-        dst = seg.regions([_Slot(0, nbytes)], nbytes, 64)
+        dst = seg.regions([Slot(0, nbytes)], nbytes, 64)
         src_r = [Region.of_tensor(s) for s in srcs]
         with pytest.raises(OSError) as ei:
             nb.fused_blocks(src_r, [0], dst, idx, case.geom, case.engine)
@@ -363,7 +307,7 @@ def test_cold_destinations_on_a_full_file_system_raise_enospc(
         _native._set_cold_room_margin(prev)
         nb.fused_blocks(src_r, [0], dst, idx, case.geom, case.engine)
         ref = _run(tb, case, srcs, idx, [0], None)[0]
-        assert torch.equal(view.regions([_Slot(0, nbytes)], nbytes, 64)[0].tensor,
+        assert torch.equal(view.regions([Slot(0, nbytes)], nbytes, 64)[0].tensor,
                            _bits(ref).reshape(-1))
     finally:
         _native._set_cold_room_margin(prev)

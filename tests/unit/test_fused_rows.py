@@ -11,29 +11,20 @@ untouched; racing callers. No server needed.
 from __future__ import annotations
 
 import dataclasses
-import os
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 import pytest
 import torch
-from conftest import create_shm_segment, run_threads
+from conftest import run_threads
+from fused_support import SENTINEL, Slot, blank, chunk_ids, rotation_for, token_index
 
 from lmcache_kv_fast import _native, edits
 from lmcache_kv_fast.copy import native_backend as nb
 from lmcache_kv_fast.copy import torch_backend as tb
 from lmcache_kv_fast.copy.base import ChunkGeometry, Region
 from lmcache_kv_fast.copy.edit_kernels import Rotation
-from lmcache_kv_fast.edits._rerotate import _cos_sin
 from lmcache_kv_fast.errors import InvalidArgumentError, InvalidTypeError
-
-SENTINEL = 0x5A  # every destination byte before a call
-
-
-@dataclass(frozen=True)
-class _Slot:
-    offset: int
-    length: int
 
 
 @dataclass(frozen=True)
@@ -93,17 +84,7 @@ def _rope(case: Case) -> edits.RoPE:
 
 
 def _index(case: Case, seed: int = 0) -> torch.Tensor:
-    rows = case.n_src * case.chunk
-    gen = torch.Generator().manual_seed(seed)
-    if case.index == "drop10":
-        idx = [t for t in range(rows) if t % 10 != 9]
-    elif case.index == "keep":
-        idx = sorted(torch.randperm(rows, generator=gen)[: rows * 2 // 3].tolist())
-    elif case.index == "dups":  # repeats, any order
-        idx = torch.randint(0, rows, (rows * 3 // 4,), generator=gen).tolist()
-    else:  # every row from 5 on: each output chunk straddles two source chunks
-        idx = list(range(5, rows))
-    return torch.tensor(idx, dtype=torch.int64)
+    return token_index(case.index, case.n_src * case.chunk, 0, seed)
 
 
 def _sources(case: Case, seed: int = 1) -> list[torch.Tensor]:
@@ -116,27 +97,15 @@ def _sources(case: Case, seed: int = 1) -> list[torch.Tensor]:
 
 
 def _rotation(case: Case, idx: torch.Tensor) -> Rotation | None:
-    if case.rope is None:
-        return None
-    rope = _rope(case)
-    cos, sin = _cos_sin(torch.arange(idx.numel(), dtype=torch.int64) - idx, rope)
-    return Rotation(cos[:, 0].contiguous(), sin[:, 0].contiguous(), rope.head_dim,
-                    rope.rotary_dim, rope.interleaved)
+    return rotation_for(_rope(case) if case.rope is not None else None, idx)
 
 
 def _chunk_ids(case: Case, n_out: int) -> list[int]:
-    ids = list(range(n_out // case.chunk))
-    if case.subset:
-        gen = torch.Generator().manual_seed(7)
-        ids = [ids[i] for i in torch.randperm(len(ids), generator=gen).tolist()]
-        ids = ids[: max(1, len(ids) // 2)]
-    return ids
+    return chunk_ids(case.chunk, n_out, case.subset)
 
 
 def _blank(case: Case) -> torch.Tensor:
-    t = torch.empty(case.geom.object_shape(), dtype=case.dtype)
-    t.view(torch.uint8).fill_(SENTINEL)
-    return t
+    return blank(case.geom.object_shape(), case.dtype)
 
 
 def _plain_torch(case: Case, srcs: list[torch.Tensor], idx: torch.Tensor) -> torch.Tensor:
@@ -226,27 +195,8 @@ def test_nothing_to_write() -> None:
 
 
 # ------------------------------------------------------------------ shm regions
-@pytest.fixture
-def shm_name() -> Iterator[Callable[[int], str]]:
-    """Make unique /dev/shm segments; every one is unlinked afterwards."""
-    created: list[str] = []
-
-    def make(size: int) -> str:
-        created.append(create_shm_segment(size, "fused"))
-        return created[-1]
-
-    try:
-        yield make
-    finally:
-        for name in created:
-            try:
-                os.unlink(f"/dev/shm/{name}")
-            except FileNotFoundError:
-                pass
-
-
 @pytest.mark.parametrize("rope", [None, "llama3"])
-def test_mapped_and_tensor_regions_mixed(shm_name: Callable[[int], str], rope: str | None) -> None:
+def test_mapped_and_tensor_regions_mixed(shm_segments: Callable[[int], str], rope: str | None) -> None:
     """Sources and destinations partly in a real shm segment (MappedRegion), partly tensors."""
     case = Case(index="keep", rope=rope, subset=True)
     srcs, idx = _sources(case), _index(case)
@@ -254,10 +204,10 @@ def test_mapped_and_tensor_regions_mixed(shm_name: Callable[[int], str], rope: s
     rotation = _rotation(case, idx)
     nbytes = case.geom.chunk_nbytes
     n_shm_src, n_shm_dst = case.n_src // 2, len(ids) // 2 + 1
-    name = shm_name((n_shm_src + n_shm_dst) * nbytes)
+    name = shm_segments((n_shm_src + n_shm_dst) * nbytes)
     seg, view = nb.open_segment(name), tb.open_segment(name)
     try:
-        slots = [_Slot(k * nbytes, nbytes) for k in range(n_shm_src + n_shm_dst)]
+        slots = [Slot(k * nbytes, nbytes) for k in range(n_shm_src + n_shm_dst)]
         mapped = seg.regions(slots, nbytes, 64)
         flat = view.regions(slots, nbytes, 64)  # the same bytes, through torch's mmap
         for k in range(n_shm_src):
@@ -278,14 +228,14 @@ def test_mapped_and_tensor_regions_mixed(shm_name: Callable[[int], str], rope: s
         view.close()
 
 
-def test_closed_or_foreign_mapping_refused(shm_name: Callable[[int], str]) -> None:
+def test_closed_or_foreign_mapping_refused(shm_segments: Callable[[int], str]) -> None:
     case = Case()
     srcs, idx = _sources(case), _index(case)
     nbytes = case.geom.chunk_nbytes
-    seg = nb.open_segment(shm_name(2 * nbytes))
+    seg = nb.open_segment(shm_segments(2 * nbytes))
     dst = _blank(case)
     try:
-        mapped = seg.regions([_Slot(0, nbytes), _Slot(nbytes, nbytes)], nbytes, 64)
+        mapped = seg.regions([Slot(0, nbytes), Slot(nbytes, nbytes)], nbytes, 64)
         forged = nb.MappedRegion(mapped[1].addr + 64, nbytes, None, seg.mapping)
         with pytest.raises(ValueError, match="destination region 0 lies outside segment"):
             nb.fused_rows([Region.of_tensor(s) for s in srcs], [0], [forged], idx, case.geom)
@@ -504,18 +454,18 @@ def test_racing_threads_agree() -> None:
 
 
 def test_cold_destinations_on_a_full_file_system_raise_enospc(
-        shm_name: Callable[[int], str]) -> None:
+        shm_segments: Callable[[int], str]) -> None:
     """Pages not allocated yet are written only with room for them (else SIGBUS): ENOSPC."""
     import errno
 
     case = Case()
     srcs, idx = _sources(case), _index(case)
     nbytes = case.geom.chunk_nbytes
-    name = shm_name(nbytes)  # sparse: its pages are not allocated yet
+    name = shm_segments(nbytes)  # sparse: its pages are not allocated yet
     seg, view = nb.open_segment(name), tb.open_segment(name)
     prev = _native._set_cold_room_margin(1 << 62)  # as if the file system were full
     try:
-        dst = seg.regions([_Slot(0, nbytes)], nbytes, 64)
+        dst = seg.regions([Slot(0, nbytes)], nbytes, 64)
         with pytest.raises(OSError) as ei:
             nb.fused_rows([Region.of_tensor(s) for s in srcs], [0], dst, idx[:16] % 16,
                           case.geom)
@@ -523,7 +473,7 @@ def test_cold_destinations_on_a_full_file_system_raise_enospc(
         _native._set_cold_room_margin(prev)
         nb.fused_rows([Region.of_tensor(s) for s in srcs], [0], dst, idx[:16] % 16, case.geom)
         ref = _run(tb, case, srcs, idx[:16] % 16, [0], None)[0]
-        assert torch.equal(view.regions([_Slot(0, nbytes)], nbytes, 64)[0].tensor,
+        assert torch.equal(view.regions([Slot(0, nbytes)], nbytes, 64)[0].tensor,
                            ref.reshape(-1).view(torch.uint8))
     finally:
         _native._set_cold_room_margin(prev)

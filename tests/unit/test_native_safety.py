@@ -24,7 +24,7 @@ from dataclasses import dataclass
 
 import pytest
 import torch
-from conftest import assert_script_refuses, create_shm_segment
+from conftest import assert_script_refuses
 
 pytest.importorskip("lmcache_kv_fast._native")
 
@@ -42,27 +42,8 @@ class _Slot:
 
 
 @pytest.fixture
-def make_segment() -> Iterator[Callable[[int], str]]:
-    created: list[str] = []
-
-    def make(size: int = SEG_BYTES) -> str:
-        name = create_shm_segment(size, "safety")
-        created.append(name)
-        return name
-
-    try:
-        yield make
-    finally:
-        for name in created:
-            try:
-                os.unlink(f"/dev/shm/{name}")
-            except FileNotFoundError:
-                pass
-
-
-@pytest.fixture
-def seg(make_segment: Callable[[int], str]) -> Iterator[nb.NativeSegment]:
-    s = nb.open_segment(make_segment(SEG_BYTES))
+def seg(shm_segments: Callable[[int], str]) -> Iterator[nb.NativeSegment]:
+    s = nb.open_segment(shm_segments(SEG_BYTES))
     try:
         yield s
     finally:
@@ -86,8 +67,8 @@ def test_missing_segment_is_file_not_found() -> None:
         nb.open_segment(f"lmckv-missing-{uuid.uuid4().hex}")
 
 
-def test_segment_smaller_than_expected(make_segment: Callable[[int], str]) -> None:
-    name = make_segment(SEG_BYTES)
+def test_segment_smaller_than_expected(shm_segments: Callable[[int], str]) -> None:
+    name = shm_segments(SEG_BYTES)
     with pytest.raises(ValueError, match="expected >="):
         nb.open_segment(name, SEG_BYTES + 1)
     with pytest.raises(ValueError):
@@ -97,19 +78,19 @@ def test_segment_smaller_than_expected(make_segment: Callable[[int], str]) -> No
     s.close()
 
 
-def test_empty_segment(make_segment: Callable[[int], str]) -> None:
+def test_empty_segment(shm_segments: Callable[[int], str]) -> None:
     with pytest.raises(ValueError, match="empty"):
-        _native.Mapping(make_segment(0))
+        _native.Mapping(shm_segments(0))
 
 
 @pytest.mark.parametrize("mode", ["auto", "none", "map_populate", "madvise", "parallel",
                                   "parallel_read", "resident"])
-def test_populate_modes(make_segment: Callable[[int], str], mode: str) -> None:
-    m = _native.Mapping(make_segment(SEG_BYTES), populate=mode)
+def test_populate_modes(shm_segments: Callable[[int], str], mode: str) -> None:
+    m = _native.Mapping(shm_segments(SEG_BYTES), populate=mode)
     assert m.size == SEG_BYTES and not m.closed and m.address > 0
     m.close()
     with pytest.raises(ValueError):
-        _native.Mapping(make_segment(SEG_BYTES), populate="bogus")
+        _native.Mapping(shm_segments(SEG_BYTES), populate="bogus")
 
 
 # --------------------------------------------------------------------------- slots
@@ -177,9 +158,9 @@ def test_closed_mapping(seg: nb.NativeSegment) -> None:
         nb.gather(t, geom, [0], regs)
 
 
-def test_segment_shrunk_after_mapping(make_segment: Callable[[int], str]) -> None:
+def test_segment_shrunk_after_mapping(shm_segments: Callable[[int], str]) -> None:
     """A server truncating its pool must not turn our next copy into SIGBUS."""
-    name = make_segment(SEG_BYTES)
+    name = shm_segments(SEG_BYTES)
     s = nb.open_segment(name)
     try:
         os.truncate(f"/dev/shm/{name}", SEG_BYTES // 2)
@@ -484,10 +465,10 @@ def test_concurrent_callers_are_correct() -> None:
     assert not errors
 
 
-def test_close_while_copy_runs(make_segment: Callable[[int], str]) -> None:
+def test_close_while_copy_runs(shm_segments: Callable[[int], str]) -> None:
     """close() during a copy defers the munmap until the copy ends (no SIGSEGV)."""
     size = 128 << 20
-    s = nb.open_segment(make_segment(size))
+    s = nb.open_segment(shm_segments(size))
     geom = ChunkGeometry(1, 1, 1024, size // 1024, 1)
     regs = s.regions([_Slot(0, size)], size, 4096)
     src = torch.ones(1, 1, 1024, size // 1024, dtype=torch.uint8)
