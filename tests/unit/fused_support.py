@@ -6,11 +6,15 @@ output chunks a call writes, and destinations filled with a sentinel byte.
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
+from typing import Any
 
+import pytest
 import torch
 
-from lmcache_kv_fast import edits
+from lmcache_kv_fast import _native, edits
 from lmcache_kv_fast.copy.edit_kernels import Rotation
 from lmcache_kv_fast.edits._rerotate import _cos_sin
 
@@ -62,18 +66,58 @@ def rotation_for(rope: edits.RoPE | None, idx: torch.Tensor) -> Rotation | None:
                     rope.rotary_dim, rope.interleaved)
 
 
-def chunk_ids(chunk: int, n_out: int, subset: bool) -> list[int]:
-    """Every whole output chunk, or (``subset``) half of them in a shuffled order."""
-    ids = list(range(n_out // chunk))
-    if subset:
+def case_index(case: Any, seed: int = 0) -> torch.Tensor:
+    """:func:`token_index` of a test's case (``index``, ``n_src``, ``chunk``, [``block_size``])."""
+    return token_index(case.index, case.n_src * case.chunk, getattr(case, "block_size", 0), seed)
+
+
+def case_chunk_ids(case: Any, n_out: int) -> list[int]:
+    """Every whole output chunk, or (``case.subset``) half of them in a shuffled order."""
+    ids = list(range(n_out // case.chunk))
+    if case.subset:
         gen = torch.Generator().manual_seed(7)
         ids = [ids[i] for i in torch.randperm(len(ids), generator=gen).tolist()]
         ids = ids[: max(1, len(ids) // 2)]
     return ids
 
 
-def blank(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
-    """A destination whose every byte is :data:`SENTINEL`."""
-    t = torch.empty(shape, dtype=dtype)
+def case_blank(case: Any) -> torch.Tensor:
+    """A destination chunk object of ``case.geom`` whose every byte is :data:`SENTINEL`."""
+    t = torch.empty(case.geom.object_shape(), dtype=case.dtype)
     t.view(torch.uint8).fill_(SENTINEL)
     return t
+
+
+def assert_refused(call: Callable[..., Any], kw: dict[str, Any], err: type[Exception],
+                   pattern: str) -> None:
+    """``call(**kw)`` raises ``err`` matching ``pattern``, with nothing written or changed.
+
+    ``kw["dsts"]`` (popped) are the destination tensors, which must still be blank.
+    """
+    dsts = kw.pop("dsts")
+    srcs_before = [r.tensor.clone() for r in kw["src_regions"] if r.tensor is not None]
+    with pytest.raises(err, match=pattern):
+        call(**kw)
+    for d in dsts:
+        assert bool((d.view(torch.uint8) == SENTINEL).all())
+    after = [r.tensor for r in kw["src_regions"] if r.tensor is not None]
+    assert all(torch.equal(a, b) for a, b in zip(srcs_before, after, strict=True))
+
+
+def span(t: torch.Tensor) -> tuple[int, int, int]:
+    """``(storage address, storage bytes, offset)``: how the core takes a tensor."""
+    st = t.untyped_storage()
+    return st.data_ptr(), st.nbytes(), t.data_ptr() - st.data_ptr()
+
+
+@contextlib.contextmanager
+def pool_for_every_call(threads: int = 3) -> Iterator[None]:
+    """Every core call on the thread pool (``threads`` threads), so tasks split the work."""
+    threshold, before = _native.get_parallel_threshold(), _native.get_threads()
+    _native.set_parallel_threshold(0)
+    _native.set_threads(threads)
+    try:
+        yield
+    finally:
+        _native.set_parallel_threshold(threshold)
+        _native.set_threads(before)

@@ -18,7 +18,17 @@ from dataclasses import dataclass
 
 import pytest
 import torch
-from fused_support import SENTINEL, Slot, blank, chunk_ids, rotation_for, token_index
+from fused_support import (
+    SENTINEL,
+    Slot,
+    assert_refused,
+    case_blank,
+    case_chunk_ids,
+    case_index,
+    pool_for_every_call,
+    rotation_for,
+    span,
+)
 
 from lmcache_kv_fast import _native, edits
 from lmcache_kv_fast.copy import native_backend as nb
@@ -141,10 +151,6 @@ def _rope(case: Case) -> edits.RoPE:
     return dataclasses.replace(edits.rope_from_config(cfg), interleaved=case.interleaved)
 
 
-def _index(case: Case, seed: int = 0) -> torch.Tensor:
-    return token_index(case.index, case.n_src * case.chunk, case.block_size, seed)
-
-
 def _sources(case: Case, seed: int = 1) -> list[torch.Tensor]:
     gen = torch.Generator().manual_seed(seed)
     return [(torch.randn(case.geom.object_shape(), generator=gen) * 3).to(case.dtype)
@@ -153,14 +159,6 @@ def _sources(case: Case, seed: int = 1) -> list[torch.Tensor]:
 
 def _rotation(case: Case, idx: torch.Tensor) -> Rotation | None:
     return rotation_for(_rope(case) if case.rope is not None else None, idx)
-
-
-def _chunk_ids(case: Case, n_out: int) -> list[int]:
-    return chunk_ids(case.chunk, n_out, case.subset)
-
-
-def _blank(case: Case) -> torch.Tensor:
-    return blank(case.geom.object_shape(), case.dtype)
 
 
 def _plain_torch(case: Case, srcs: list[torch.Tensor], idx: torch.Tensor) -> torch.Tensor:
@@ -175,7 +173,7 @@ def _plain_torch(case: Case, srcs: list[torch.Tensor], idx: torch.Tensor) -> tor
 
 def _run(backend: object, case: Case, srcs: list[torch.Tensor], idx: torch.Tensor,
          ids: list[int], rotation: Rotation | None) -> list[torch.Tensor]:
-    dsts = [_blank(case) for _ in ids]
+    dsts = [case_blank(case) for _ in ids]
     backend.fused_blocks([Region.of_tensor(s) for s in srcs], ids,  # type: ignore[attr-defined]
                          [Region.of_tensor(d) for d in dsts], idx, case.geom, case.engine,
                          rotation)
@@ -190,9 +188,9 @@ def _bits(t: torch.Tensor) -> torch.Tensor:
 @pytest.mark.parametrize("name", list(CASES))
 def test_native_equals_torch_reference_and_plain_torch(name: str) -> None:
     case = CASES[name]
-    srcs, idx = _sources(case), _index(case)
+    srcs, idx = _sources(case), case_index(case)
     rotation = _rotation(case, idx)
-    ids = _chunk_ids(case, idx.numel())
+    ids = case_chunk_ids(case, idx.numel())
     got = _run(nb, case, srcs, idx, ids, rotation)
     ref = _run(tb, case, srcs, idx, ids, rotation)
     plain = _plain_torch(case, srcs, idx)
@@ -214,9 +212,9 @@ def test_native_equals_torch_reference_and_plain_torch(name: str) -> None:
 def test_unnamed_output_chunks_stay_untouched() -> None:
     case = Case(kernel="amx", head_dim=64, block_size=32, blocks=1, index="keep",
                 rope="default")
-    srcs, idx = _sources(case), _index(case)
+    srcs, idx = _sources(case), case_index(case)
     n_chunks = idx.numel() // case.chunk
-    pool = [_blank(case) for _ in range(n_chunks)]
+    pool = [case_blank(case) for _ in range(n_chunks)]
     ids = [n_chunks - 1, 0]
     nb.fused_blocks([Region.of_tensor(s) for s in srcs], ids,
                     [Region.of_tensor(pool[i]) for i in ids], idx, case.geom, case.engine,
@@ -240,24 +238,18 @@ def test_nothing_to_write() -> None:
 
 @pytest.fixture
 def small_pool_tasks() -> Iterator[None]:
-    """Every call on the pool (3 threads), so tasks split the units."""
-    threshold, threads = _native.get_parallel_threshold(), _native.get_threads()
-    _native.set_parallel_threshold(0)
-    _native.set_threads(3)
-    try:
+    """Every call on the pool (3 threads), so tasks split the work."""
+    with pool_for_every_call(3):
         yield
-    finally:
-        _native.set_parallel_threshold(threshold)
-        _native.set_threads(threads)
 
 
 @pytest.mark.parametrize("name", ["vec-hs64-bs16-interleaved", "amx-hs32-bs32-neox",
                                   "vec16-dups-subset"])
 def test_pool_split_matches(name: str, small_pool_tasks: None) -> None:
     case = CASES[name]
-    srcs, idx = _sources(case), _index(case)
+    srcs, idx = _sources(case), case_index(case)
     rotation = _rotation(case, idx)
-    ids = _chunk_ids(case, idx.numel())
+    ids = case_chunk_ids(case, idx.numel())
     got = _run(nb, case, srcs, idx, ids, rotation)
     ref = _run(tb, case, srcs, idx, ids, rotation)
     assert all(torch.equal(_bits(g), _bits(r)) for g, r in zip(got, ref, strict=True))
@@ -267,8 +259,8 @@ def test_pool_split_matches(name: str, small_pool_tasks: None) -> None:
 def test_mapped_regions(shm_segments: Callable[[int], str]) -> None:
     """Sources and destinations in a real shm segment (MappedRegion)."""
     case = Case(kernel="amx", head_dim=64, block_size=32, index="keep", rope="default")
-    srcs, idx = _sources(case), _index(case)
-    ids = _chunk_ids(case, idx.numel())
+    srcs, idx = _sources(case), case_index(case)
+    ids = case_chunk_ids(case, idx.numel())
     rotation = _rotation(case, idx)
     nbytes = case.geom.chunk_nbytes
     slots = [Slot(k * nbytes, nbytes) for k in range(case.n_src + len(ids))]
@@ -293,7 +285,7 @@ def test_cold_destinations_on_a_full_file_system_raise_enospc(
         shm_segments: Callable[[int], str]) -> None:
     """Pages not allocated yet are written only with room for them (else SIGBUS): ENOSPC."""
     case = Case()
-    srcs, idx = _sources(case), _index(case)[: Case().chunk]
+    srcs, idx = _sources(case), case_index(case)[: Case().chunk]
     nbytes = case.geom.chunk_nbytes
     name = shm_segments(nbytes)  # sparse: its pages are not allocated yet
     seg, view = nb.open_segment(name), tb.open_segment(name)
@@ -319,11 +311,11 @@ def test_cold_destinations_on_a_full_file_system_raise_enospc(
 def _bad_call(bad: str) -> tuple[dict, type[Exception], str]:
     """Arguments of a call that must be refused, the error and a pattern of its message."""
     case = Case(rope="default")
-    srcs, idx = _sources(case), _index(case)
+    srcs, idx = _sources(case), case_index(case)
     rotation = _rotation(case, idx)
     assert rotation is not None
-    ids = _chunk_ids(case, idx.numel())
-    dsts = [_blank(case) for _ in ids]
+    ids = case_chunk_ids(case, idx.numel())
+    dsts = [case_blank(case) for _ in ids]
     src_r = [Region.of_tensor(s) for s in srcs]
     dst_r = [Region.of_tensor(d) for d in dsts]
     kw = dict(src_regions=src_r, dst_chunk_ids=ids, dst_regions=dst_r, index=idx,
@@ -387,23 +379,10 @@ BAD = ["engine-type", "geom-planes", "geom-width", "geom-chunk", "no-offsets", "
 @pytest.mark.parametrize("backend", [nb, tb], ids=["native", "torch"])
 @pytest.mark.parametrize("bad", BAD)
 def test_refused_before_anything_is_written(backend: object, bad: str) -> None:
-    kw, err, pattern = _bad_call(bad)
-    dsts = kw.pop("dsts")
-    srcs_before = [r.tensor.clone() for r in kw["src_regions"] if r.tensor is not None]
-    with pytest.raises(err, match=pattern):
-        backend.fused_blocks(**kw)  # type: ignore[attr-defined]
-    for d in dsts:
-        assert bool((d.view(torch.uint8) == SENTINEL).all())
-    after = [r.tensor for r in kw["src_regions"] if r.tensor is not None]
-    assert all(torch.equal(a, b) for a, b in zip(srcs_before, after, strict=True))
+    assert_refused(backend.fused_blocks, *_bad_call(bad))  # type: ignore[attr-defined]
 
 
 # ------------------------------------------------------------------ refused calls (core)
-def _span(t: torch.Tensor) -> tuple[int, int, int]:
-    st = t.untyped_storage()
-    return st.data_ptr(), st.nbytes(), t.data_ptr() - st.data_ptr()
-
-
 def _core_args(case: Case, srcs: list[torch.Tensor], dsts: list[torch.Tensor],
                idx: torch.Tensor, rot: Rotation) -> dict:
     g, eng = case.geom, case.engine
@@ -411,11 +390,11 @@ def _core_args(case: Case, srcs: list[torch.Tensor], dsts: list[torch.Tensor],
     return dict(
         src_addrs=[s.data_ptr() for s in srcs], src_nbytes=[g.chunk_nbytes] * len(srcs),
         src_owners=None, dst_ids=[2, 0], dst_addrs=[d.data_ptr() for d in dsts],
-        dst_nbytes=[g.chunk_nbytes] * len(dsts), dst_owners=None, idx=_span(idx),
+        dst_nbytes=[g.chunk_nbytes] * len(dsts), dst_owners=None, idx=span(idx),
         n_out=idx.numel(), geometry=(g.layers, g.chunk_tokens, g.width, g.itemsize,
                                      eng.block_size, eng.head_dim),
-        tok_off=tok.reshape(-1).tolist(), dim_off=dim.reshape(-1).tolist(), cos=_span(rot.cos),
-        sin=_span(rot.sin), head_dim=eng.head_dim, rotary_dim=rot.rotary_dim,
+        tok_off=tok.reshape(-1).tolist(), dim_off=dim.reshape(-1).tolist(), cos=span(rot.cos),
+        sin=span(rot.sin), head_dim=eng.head_dim, rotary_dim=rot.rotary_dim,
         interleaved=False, dtype="bfloat16")
 
 
@@ -481,10 +460,10 @@ CORE_BAD: dict[str, tuple[Callable[[dict], dict], str]] = {
 def test_core_refuses_before_anything_is_written(bad: str) -> None:
     """The core's own checks, called without the Python layer's: ValueError "fused_blocks: "."""
     case = Case(rope="default")
-    srcs, idx = _sources(case), _index(case)
+    srcs, idx = _sources(case), case_index(case)
     rot = _rotation(case, idx)
     assert rot is not None
-    dsts = [_blank(case) for _ in range(2)]
+    dsts = [case_blank(case) for _ in range(2)]
     big = torch.full((case.geom.chunk_nbytes * 2,), SENTINEL, dtype=torch.uint8)
     args = _core_args(case, srcs, dsts, idx, rot)
     err: type[Exception] = ValueError
@@ -496,12 +475,12 @@ def test_core_refuses_before_anything_is_written(bad: str) -> None:
     elif bad == "index-value":
         bad_idx = idx.clone()
         bad_idx[7] = -4
-        args["idx"], pattern = _span(bad_idx), r"index 7 is -4, outside \[0, 128\)"
+        args["idx"], pattern = span(bad_idx), r"index 7 is -4, outside \[0, 128\)"
     elif bad == "overlap-table":  # the tables inside a destination region
         tables = torch.zeros(case.geom.chunk_nbytes // 4, dtype=torch.float32)
         n = rot.cos.numel()
         tables[:n] = rot.cos.reshape(-1)
-        args["cos"], args["dst_addrs"][0] = _span(tables[:n]), tables.data_ptr()
+        args["cos"], args["dst_addrs"][0] = span(tables[:n]), tables.data_ptr()
         del dsts[0]
         pattern = "a destination region overlaps cos or sin"
     else:

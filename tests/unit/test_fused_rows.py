@@ -17,7 +17,17 @@ from dataclasses import dataclass
 import pytest
 import torch
 from conftest import run_threads
-from fused_support import SENTINEL, Slot, blank, chunk_ids, rotation_for, token_index
+from fused_support import (
+    SENTINEL,
+    Slot,
+    assert_refused,
+    case_blank,
+    case_chunk_ids,
+    case_index,
+    pool_for_every_call,
+    rotation_for,
+    span,
+)
 
 from lmcache_kv_fast import _native, edits
 from lmcache_kv_fast.copy import native_backend as nb
@@ -83,10 +93,6 @@ def _rope(case: Case) -> edits.RoPE:
     return dataclasses.replace(edits.rope_from_config(cfg), interleaved=case.interleaved)
 
 
-def _index(case: Case, seed: int = 0) -> torch.Tensor:
-    return token_index(case.index, case.n_src * case.chunk, 0, seed)
-
-
 def _sources(case: Case, seed: int = 1) -> list[torch.Tensor]:
     gen = torch.Generator().manual_seed(seed)
     shape = case.geom.object_shape()
@@ -100,14 +106,6 @@ def _rotation(case: Case, idx: torch.Tensor) -> Rotation | None:
     return rotation_for(_rope(case) if case.rope is not None else None, idx)
 
 
-def _chunk_ids(case: Case, n_out: int) -> list[int]:
-    return chunk_ids(case.chunk, n_out, case.subset)
-
-
-def _blank(case: Case) -> torch.Tensor:
-    return blank(case.geom.object_shape(), case.dtype)
-
-
 def _plain_torch(case: Case, srcs: list[torch.Tensor], idx: torch.Tensor) -> torch.Tensor:
     """``[P, L, n_out, W]``: the assembled source's rows, K re-rotated by ``edits.rerotate``."""
     out = torch.cat(srcs, dim=2).index_select(2, idx)
@@ -118,7 +116,7 @@ def _plain_torch(case: Case, srcs: list[torch.Tensor], idx: torch.Tensor) -> tor
 
 def _run(backend: object, case: Case, srcs: list[torch.Tensor], idx: torch.Tensor,
          ids: list[int], rotation: Rotation | None) -> list[torch.Tensor]:
-    dsts = [_blank(case) for _ in ids]
+    dsts = [case_blank(case) for _ in ids]
     backend.fused_rows([Region.of_tensor(s) for s in srcs], ids,  # type: ignore[attr-defined]
                        [Region.of_tensor(d) for d in dsts], idx, case.geom, rotation)
     return dsts
@@ -127,9 +125,9 @@ def _run(backend: object, case: Case, srcs: list[torch.Tensor], idx: torch.Tenso
 @pytest.mark.parametrize("name", list(CASES))
 def test_native_equals_torch_reference_and_plain_torch(name: str) -> None:
     case = CASES[name]
-    srcs, idx = _sources(case), _index(case)
+    srcs, idx = _sources(case), case_index(case)
     rotation = _rotation(case, idx)
-    ids = _chunk_ids(case, idx.numel())
+    ids = case_chunk_ids(case, idx.numel())
     got = _run(nb, case, srcs, idx, ids, rotation)
     ref = _run(tb, case, srcs, idx, ids, rotation)
     c = case.chunk
@@ -151,9 +149,9 @@ def test_native_equals_torch_reference_and_plain_torch(name: str) -> None:
 def test_unnamed_output_chunks_stay_untouched() -> None:
     """A destination pool holds every output chunk; only the named ones change."""
     case = Case(index="keep", rope="default")
-    srcs, idx = _sources(case), _index(case)
+    srcs, idx = _sources(case), case_index(case)
     n_chunks = idx.numel() // case.chunk
-    pool = [_blank(case) for _ in range(n_chunks)]
+    pool = [case_blank(case) for _ in range(n_chunks)]
     ids = [3, 0, n_chunks - 1]
     nb.fused_rows([Region.of_tensor(s) for s in srcs], ids,
                   [Region.of_tensor(pool[i]) for i in ids], idx, case.geom, _rotation(case, idx))
@@ -170,7 +168,7 @@ def test_regions_larger_than_a_chunk_and_trailing_index() -> None:
     """Slots may be longer than the object (the tail is never touched); index rows past the
     last whole output chunk are allowed (a partial chunk the caller does not write)."""
     case = Case(index="keep")
-    srcs, idx = _sources(case), _index(case)
+    srcs, idx = _sources(case), case_index(case)
     nbytes = case.geom.chunk_nbytes
     big_src = [torch.cat([s.reshape(-1).view(torch.uint8), torch.zeros(100, dtype=torch.uint8)])
                for s in srcs]
@@ -199,8 +197,8 @@ def test_nothing_to_write() -> None:
 def test_mapped_and_tensor_regions_mixed(shm_segments: Callable[[int], str], rope: str | None) -> None:
     """Sources and destinations partly in a real shm segment (MappedRegion), partly tensors."""
     case = Case(index="keep", rope=rope, subset=True)
-    srcs, idx = _sources(case), _index(case)
-    ids = _chunk_ids(case, idx.numel())
+    srcs, idx = _sources(case), case_index(case)
+    ids = case_chunk_ids(case, idx.numel())
     rotation = _rotation(case, idx)
     nbytes = case.geom.chunk_nbytes
     n_shm_src, n_shm_dst = case.n_src // 2, len(ids) // 2 + 1
@@ -214,7 +212,7 @@ def test_mapped_and_tensor_regions_mixed(shm_segments: Callable[[int], str], rop
             flat[k].tensor.copy_(srcs[k].reshape(-1).view(torch.uint8))
         for k in range(n_shm_src, len(slots)):
             flat[k].tensor.fill_(SENTINEL)
-        tensor_dsts = [_blank(case) for _ in ids[n_shm_dst:]]
+        tensor_dsts = [case_blank(case) for _ in ids[n_shm_dst:]]
         src_regions = mapped[:n_shm_src] + [Region.of_tensor(s) for s in srcs[n_shm_src:]]
         dst_regions = mapped[n_shm_src:] + [Region.of_tensor(d) for d in tensor_dsts]
         nb.fused_rows(src_regions, ids, dst_regions, idx, case.geom, rotation)
@@ -230,10 +228,10 @@ def test_mapped_and_tensor_regions_mixed(shm_segments: Callable[[int], str], rop
 
 def test_closed_or_foreign_mapping_refused(shm_segments: Callable[[int], str]) -> None:
     case = Case()
-    srcs, idx = _sources(case), _index(case)
+    srcs, idx = _sources(case), case_index(case)
     nbytes = case.geom.chunk_nbytes
     seg = nb.open_segment(shm_segments(2 * nbytes))
-    dst = _blank(case)
+    dst = case_blank(case)
     try:
         mapped = seg.regions([Slot(0, nbytes), Slot(nbytes, nbytes)], nbytes, 64)
         forged = nb.MappedRegion(mapped[1].addr + 64, nbytes, None, seg.mapping)
@@ -254,11 +252,11 @@ def test_closed_or_foreign_mapping_refused(shm_segments: Callable[[int], str]) -
 def _bad_call(bad: str) -> tuple[dict, type[Exception], str]:
     """Arguments of a call that must be refused, the error and a pattern of its message."""
     case = Case(rope="default")
-    srcs, idx = _sources(case), _index(case)
+    srcs, idx = _sources(case), case_index(case)
     rotation = _rotation(case, idx)
     assert rotation is not None
-    ids = _chunk_ids(case, idx.numel())
-    dsts = [_blank(case) for _ in ids]
+    ids = case_chunk_ids(case, idx.numel())
+    dsts = [case_blank(case) for _ in ids]
     src_r = [Region.of_tensor(s) for s in srcs]
     dst_r = [Region.of_tensor(d) for d in dsts]
     kw = dict(src_regions=src_r, dst_chunk_ids=ids, dst_regions=dst_r, index=idx,
@@ -336,20 +334,7 @@ BAD = ["src-short", "dst-short", "ids-count", "ids-dup", "ids-range", "ids-negat
 @pytest.mark.parametrize("backend", [nb, tb], ids=["native", "torch"])
 @pytest.mark.parametrize("bad", BAD)
 def test_refused_before_anything_is_written(backend: object, bad: str) -> None:
-    kw, err, pattern = _bad_call(bad)
-    dsts = kw.pop("dsts")
-    srcs_before = [r.tensor.clone() for r in kw["src_regions"] if r.tensor is not None]
-    with pytest.raises(err, match=pattern):
-        backend.fused_rows(**kw)  # type: ignore[attr-defined]
-    for d in dsts:
-        assert bool((d.view(torch.uint8) == SENTINEL).all())
-    after = [r.tensor for r in kw["src_regions"] if r.tensor is not None]
-    assert all(torch.equal(a, b) for a, b in zip(srcs_before, after, strict=True))
-
-
-def _span(t: torch.Tensor) -> tuple[int, int, int]:
-    st = t.untyped_storage()
-    return st.data_ptr(), st.nbytes(), t.data_ptr() - st.data_ptr()
+    assert_refused(backend.fused_rows, *_bad_call(bad))  # type: ignore[attr-defined]
 
 
 @pytest.mark.parametrize("bad", ["cos-span", "sin-span", "idx-span", "overflow", "itemsize",
@@ -358,17 +343,17 @@ def _span(t: torch.Tensor) -> tuple[int, int, int]:
 def test_core_refuses_before_anything_is_written(bad: str) -> None:
     """The core's own checks, called without the Python layer's."""
     case = Case(rope="default")
-    srcs, idx = _sources(case), _index(case)
+    srcs, idx = _sources(case), case_index(case)
     rot = _rotation(case, idx)
     assert rot is not None
-    dst = _blank(case)
+    dst = case_blank(case)
     g = case.geom
     args = dict(
         src_addrs=[s.data_ptr() for s in srcs], src_nbytes=[g.chunk_nbytes] * len(srcs),
         src_owners=None, dst_ids=[2], dst_addrs=[dst.data_ptr()], dst_nbytes=[g.chunk_nbytes],
-        dst_owners=None, idx=_span(idx), n_out=idx.numel(),
+        dst_owners=None, idx=span(idx), n_out=idx.numel(),
         geometry=(g.planes, g.layers, g.chunk_tokens, g.width, g.itemsize),
-        cos=_span(rot.cos), sin=_span(rot.sin), head_dim=64, rotary_dim=64, interleaved=False,
+        cos=span(rot.cos), sin=span(rot.sin), head_dim=64, rotary_dim=64, interleaved=False,
         dtype="bfloat16")
     shrink = {"cos-span": "cos", "sin-span": "sin", "idx-span": "idx"}
     pattern, err = "fused_rows", ValueError
@@ -411,23 +396,17 @@ def test_core_refuses_before_anything_is_written(bad: str) -> None:
 # ------------------------------------------------------------------ pool and races
 @pytest.fixture
 def small_pool_tasks() -> Iterator[None]:
-    """Every call on the pool (3 threads), so tasks split blocks mid-run."""
-    threshold, threads = _native.get_parallel_threshold(), _native.get_threads()
-    _native.set_parallel_threshold(0)
-    _native.set_threads(3)
-    try:
+    """Every call on the pool (3 threads), so tasks split the work."""
+    with pool_for_every_call(3):
         yield
-    finally:
-        _native.set_parallel_threshold(threshold)
-        _native.set_threads(threads)
 
 
 @pytest.mark.parametrize("name", ["drop10-llama3", "subset-plain-dups", "one-row-chunks"])
 def test_pool_split_matches(name: str, small_pool_tasks: None) -> None:
     case = CASES[name]
-    srcs, idx = _sources(case), _index(case)
+    srcs, idx = _sources(case), case_index(case)
     rotation = _rotation(case, idx)
-    ids = _chunk_ids(case, idx.numel())
+    ids = case_chunk_ids(case, idx.numel())
     got = _run(nb, case, srcs, idx, ids, rotation)
     ref = _run(tb, case, srcs, idx, ids, rotation)
     assert all(torch.equal(g.view(torch.uint8), r.view(torch.uint8))
@@ -438,9 +417,9 @@ def test_racing_threads_agree() -> None:
     """Callers racing for the copy pool (a busy pool runs the job on the caller's thread):
     every result equals the one computed alone."""
     case = Case(layers=8, chunk=64, width=512, index="drop10", rope="llama3")
-    srcs, idx = _sources(case), _index(case)
+    srcs, idx = _sources(case), case_index(case)
     rotation = _rotation(case, idx)
-    ids = _chunk_ids(case, idx.numel())
+    ids = case_chunk_ids(case, idx.numel())
     alone = _run(nb, case, srcs, idx, ids, rotation)
     results: dict[int, list[torch.Tensor]] = {}
 
@@ -459,7 +438,7 @@ def test_cold_destinations_on_a_full_file_system_raise_enospc(
     import errno
 
     case = Case()
-    srcs, idx = _sources(case), _index(case)
+    srcs, idx = _sources(case), case_index(case)
     nbytes = case.geom.chunk_nbytes
     name = shm_segments(nbytes)  # sparse: its pages are not allocated yet
     seg, view = nb.open_segment(name), tb.open_segment(name)
