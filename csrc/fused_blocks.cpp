@@ -1,10 +1,13 @@
 #include "fused_blocks.hpp"
 
+#include <unistd.h>
+
 #include <algorithm>
 #include <cstring>
 #include <string>
 
 #include "common.hpp"
+#include "copy_kernels.hpp"
 #include "thread_pool.hpp"
 
 namespace lmckv {
@@ -12,6 +15,14 @@ namespace lmckv {
 namespace {
 
 constexpr const char* kWhat = "fused_blocks";
+
+// Cold destinations (common.hpp: mostly_absent) get cached stores, as in fused_rows.cpp:
+// the first store to a page faults in a zeroed page, which streaming stores would then
+// write to memory twice.
+bool cold_pages(const char* p, uint64_t n) {
+  const long ps = sysconf(_SC_PAGESIZE);
+  return ps > 0 && mostly_absent(reinterpret_cast<uintptr_t>(p), n, static_cast<uint64_t>(ps));
+}
 
 std::string num(uint64_t v) { return std::to_string(v); }
 std::string inum(int64_t v) { return std::to_string(v); }
@@ -128,6 +139,7 @@ FusedBlocksPlan::FusedBlocksPlan(const FusedBlocksArgs& a)
   check_tables();
   check_cells();
   plan_copies();
+  for (char* d : io_.dst) cold_.push_back(cold_pages(d, chunk_nbytes_) ? 1 : 0);
   if (a.rotary_dim) {
     geom_ = RowGeom{1, a.head_size, a.rotary_dim, a.rotary_dim / 2, a.interleaved};
     rotate_ = rotate_for(a.dtype, geom_);
@@ -164,25 +176,49 @@ void FusedBlocksPlan::check_tables() {
 // (p, tb, d) -> tok_off[p][tb] + dim_off[p][d] lands on the cells {r * W + c : r < BS,
 // c < 2 * HS} of one (block, head), each at most once. There are 2 * BS * HS of both, so
 // this is a bijection: every access stays in its block and head, every byte is written.
+// A cell's row and column are its token's plus its dim's (x = q * W + m, 0 <= m < W),
+// carried: one division per table entry, not per cell.
 void FusedBlocksPlan::check_cells() const {
-  const uint64_t bs = a_.block_size, hs = a_.head_size, w = a_.width, row = 2 * hs;
+  const uint64_t bs = a_.block_size, hs = a_.head_size, row = 2 * hs;
+  const auto w = static_cast<int64_t>(a_.width);
+  auto split = [w](int64_t x) {
+    const int64_t q = x / w - (x % w < 0 ? 1 : 0);
+    return std::pair<int64_t, int64_t>{q, x - q * w};
+  };
   std::vector<int64_t> owner(bs * row, -1);  // the (p, tb, d) code that took each cell
-  for (uint64_t code = 0; code < 2 * bs * hs; ++code) {
-    const uint64_t p = code / hs / bs, tb = code / hs % bs, d = code % hs;
-    const int64_t v = a_.tok_off[p * bs + tb] + a_.dim_off[p * hs + d];
-    const auto u = static_cast<uint64_t>(v);
-    if (v < 0 || u / w >= bs || u % w >= row) {
-      fused_fail(kWhat, cell_name(code, bs, hs) + " is at offset " + inum(v) +
-                            ", outside its block's cells (" + num(bs) + " rows of " + num(w) +
-                            ", the first " + num(row) + " of each)");
+  std::vector<std::pair<int64_t, int64_t>> dims(hs);
+  for (uint64_t p = 0; p < 2; ++p) {
+    for (uint64_t d = 0; d < hs; ++d) dims[d] = split(a_.dim_off[p * hs + d]);
+    for (uint64_t tb = 0; tb < bs; ++tb) {
+      const auto [tr, tc] = split(a_.tok_off[p * bs + tb]);
+      for (uint64_t d = 0; d < hs; ++d) {
+        int64_t r = tr + dims[d].first, c = tc + dims[d].second;
+        if (c >= w) {
+          ++r;
+          c -= w;
+        }
+        check_cell(owner, (p * bs + tb) * hs + d, r, c);
+      }
     }
-    int64_t& cell = owner[u / w * row + u % w];
-    if (cell >= 0) {
-      fused_fail(kWhat, cell_name(static_cast<uint64_t>(cell), bs, hs) + " and " +
-                            cell_name(code, bs, hs) + " are both at offset " + inum(v));
-    }
-    cell = static_cast<int64_t>(code);
   }
+}
+
+// Cell (r, c) of a (block, head) for table cell `code`: inside, and not taken before.
+void FusedBlocksPlan::check_cell(std::vector<int64_t>& owner, uint64_t code, int64_t r,
+                                 int64_t c) const {
+  const uint64_t bs = a_.block_size, hs = a_.head_size, w = a_.width, row = 2 * hs;
+  const int64_t v = r * static_cast<int64_t>(w) + c;
+  if (r < 0 || static_cast<uint64_t>(r) >= bs || static_cast<uint64_t>(c) >= row) {
+    fused_fail(kWhat, cell_name(code, bs, hs) + " is at offset " + inum(v) +
+                          ", outside its block's cells (" + num(bs) + " rows of " + num(w) +
+                          ", the first " + num(row) + " of each)");
+  }
+  int64_t& cell = owner[static_cast<uint64_t>(r) * row + static_cast<uint64_t>(c)];
+  if (cell >= 0) {
+    fused_fail(kWhat, cell_name(static_cast<uint64_t>(cell), bs, hs) + " and " +
+                          cell_name(code, bs, hs) + " are both at offset " + inum(v));
+  }
+  cell = static_cast<int64_t>(code);
 }
 
 // Add element offset r to segments built in order: extend the last one when r follows
@@ -212,31 +248,55 @@ void FusedBlocksPlan::plan_copies() {
       if (tok[tb + 1] == tok[tb] + step) c.lane[tb] = c.lane[tb + 1] + 1;
     }
     plan_tiles(p);
+    plan_lanes(p);
   }
+}
+
+// Plane p's lane groups (fused_tiles.hpp) over its rows, dims outermost: a dim's heads sit
+// side by side in one raw row. Not for K when it is rotated token by token.
+void FusedBlocksPlan::plan_lanes(int p) {
+  if (p == 0 && a_.rotary_dim != 0) return;
+  const uint64_t hs = a_.head_size, heads = a_.width / (2 * hs);
+  const int64_t* off = a_.dim_off.data() + p * hs;
+  std::vector<int64_t> rows;
+  for (uint64_t d = 0; d < hs; ++d) {
+    for (uint64_t h = 0; h < heads; ++h) rows.push_back(static_cast<int64_t>(h * 2 * hs) + off[d]);
+  }
+  lanes_[p] = LaneGroups(a_.tok_off.data() + p * a_.block_size, a_.block_size, a_.itemsize,
+                         std::move(rows));
 }
 
 // Tiles of n = BS, BS/2, .. 2 tokens (halving while even) where every aligned group of n
 // tokens has the same shape, kept when their segments are on average at least twice as
 // long as one token's (amx's V: a pair of tokens is 4 runs of 32 elements, not 64 single
-// ones; any plane: a whole block).
+// ones; any plane: a whole block). The group's cells are put in order by a bitmap over
+// the block's elements (each cell distinct and inside, check_cells): a sort of its
+// n * HS offsets cost ~0.7 ms per call for W6's geometry.
 void FusedBlocksPlan::plan_tiles(int p) {
   const uint64_t bs = a_.block_size, hs = a_.head_size;
   const int64_t* tok = a_.tok_off.data() + p * bs;
   const int64_t* off = a_.dim_off.data() + p * hs;
   PlaneCopy& c = copy_[p];
+  std::vector<uint64_t> bits((bs * a_.width + 63) / 64);
   for (uint64_t n = bs; n >= 2; n = n % 2 ? 0 : n / 2) {
     bool same = true;
     for (uint64_t tb = n; same && tb < bs; ++tb) {
       same = tok[tb] - tok[tb / n * n] == tok[tb % n] - tok[0];
     }
     if (!same) continue;
-    std::vector<int64_t> rel;  // the group's cells, from its first token's offset
+    std::fill(bits.begin(), bits.end(), 0);
     for (uint64_t i = 0; i < n; ++i) {
-      for (uint64_t d = 0; d < hs; ++d) rel.push_back(tok[i] - tok[0] + off[d]);
+      for (uint64_t d = 0; d < hs; ++d) {
+        const auto u = static_cast<uint64_t>(tok[i] + off[d]);
+        bits[u / 64] |= uint64_t{1} << (u % 64);
+      }
     }
-    std::sort(rel.begin(), rel.end());
     Tile t{n, {}};
-    for (const int64_t r : rel) append_cell(t.segs, r);
+    for (uint64_t k = 0; k < bits.size(); ++k) {
+      for (uint64_t x = bits[k]; x != 0; x &= x - 1) {  // its cells, from the first token's
+        append_cell(t.segs, static_cast<int64_t>(k * 64 + __builtin_ctzll(x)) - tok[0]);
+      }
+    }
     if (2 * t.segs.size() <= n * c.segs.size()) c.tiles.push_back(std::move(t));
   }
 }
@@ -279,90 +339,116 @@ void FusedBlocksPlan::rotate_k(char* d, uint64_t dtb, const char* s, uint64_t st
   }
 }
 
-// The largest tile of plane p that destination token tb starts: tb and its source aligned
-// to it, the tile's tokens all from the sources that follow in the same block.
-const FusedBlocksPlan::Tile* FusedBlocksPlan::tile_for(int p, uint64_t tb,
-                                                       const SrcToken& f) const {
+// The largest tile of at most `most` tokens of plane p that destination token tb starts:
+// tb and its source aligned to it, the tile's tokens all from the sources that follow in
+// the same block.
+const FusedBlocksPlan::Tile* FusedBlocksPlan::tile_for(int p, uint64_t tb, const SrcToken& f,
+                                                       uint64_t most) const {
   for (const Tile& t : copy_[p].tiles) {
-    if (tb % t.tokens == 0 && f.tb % t.tokens == 0 && f.run >= t.tokens) return &t;
+    if (t.tokens <= most && tb % t.tokens == 0 && f.tb % t.tokens == 0 && f.run >= t.tokens) {
+      return &t;
+    }
   }
   return nullptr;
 }
 
-// One destination block (d: its first byte; token tb from `from[tb]`), plane by plane:
-// whole tiles where they fit, else runs of tokens whose sources follow each other within
-// both lanes (V, and K without a rotation); a rotated K token by token (output token
-// t0 + tb). Heads innermost: the heads of one token sit side by side in a raw row, so
-// both sides are walked row by row, as the prefetchers like (head by head, whole blocks
-// moved 3x slower: 12.8 against 3.9 ms for 56 MiB of amx blocks, 2 threads).
-void FusedBlocksPlan::copy_block(char* d, const std::vector<SrcToken>& from, uint64_t t0,
-                                 char* buf) const {
-  const uint64_t bs = a_.block_size, e = a_.itemsize, head = 2 * a_.head_size * e;
+// Plane p of destination tokens [first, last) of one block (d: its first byte; token tb
+// from `from[tb]`): whole tiles where they fit, else runs of tokens whose sources follow
+// each other within both lanes. Heads innermost: the heads of one token sit side by side
+// in a raw row, so both sides are walked row by row, as the prefetchers like (head by
+// head, whole blocks moved 3x slower: 12.8 against 3.9 ms for 56 MiB of amx blocks, 2
+// threads).
+void FusedBlocksPlan::copy_tokens(int p, char* d, const SrcToken* from, uint64_t first,
+                                  uint64_t last) const {
+  const uint64_t e = a_.itemsize, head = 2 * a_.head_size * e;
   const uint64_t heads = a_.width / (2 * a_.head_size);
-  for (int p = rotate_ != nullptr ? 1 : 0; p < 2; ++p) {
-    const int64_t* tok = a_.tok_off.data() + p * bs;
-    for (uint64_t tb = 0, n; tb < bs; tb += n) {
-      const SrcToken& f = from[tb];
-      if (const Tile* t = tile_for(p, tb, f)) {
-        for (const Seg& g : t->segs) {
-          char* dg = d + static_cast<uint64_t>(tok[tb] + g.off) * e;
-          const char* sg = f.block + static_cast<uint64_t>(tok[f.tb] + g.off) * e;
-          for (uint64_t h = 0; h < heads; ++h) {
-            copy_small(dg + h * head, sg + h * head, g.len * e);
-          }
-        }
-        n = t->tokens;
-      } else {
-        n = std::min({f.run, copy_[p].lane[tb], copy_[p].lane[f.tb]});
+  const int64_t* tok = a_.tok_off.data() + p * a_.block_size;
+  for (uint64_t tb = first, n; tb < last; tb += n) {
+    const SrcToken& f = from[tb];
+    if (const Tile* t = tile_for(p, tb, f, last - tb)) {
+      for (const Seg& g : t->segs) {
+        char* dg = d + static_cast<uint64_t>(tok[tb] + g.off) * e;
+        const char* sg = f.block + static_cast<uint64_t>(tok[f.tb] + g.off) * e;
         for (uint64_t h = 0; h < heads; ++h) {
-          copy_plane(p, d + h * head, tb, f.block + h * head, f.tb, n);
+          copy_small(dg + h * head, sg + h * head, g.len * e);
         }
+      }
+      n = t->tokens;
+    } else {
+      n = std::min({f.run, copy_[p].lane[tb], copy_[p].lane[f.tb], last - tb});
+      for (uint64_t h = 0; h < heads; ++h) {
+        copy_plane(p, d + h * head, tb, f.block + h * head, f.tb, n);
       }
     }
   }
+}
+
+// One destination block (d: its first byte; token tb from `s.from[tb]`), plane by plane:
+// a plane with lanes by its lane groups where they fit (fused_tiles.hpp; `stream`: they may
+// use non-temporal stores), every other token by copy_tokens; a rotated K token by token
+// (output token t0 + tb).
+void FusedBlocksPlan::copy_block(char* d, Scratch& s, uint64_t t0, bool stream) const {
+  const uint64_t bs = a_.block_size, head = 2 * a_.head_size * a_.itemsize;
+  const uint64_t heads = a_.width / (2 * a_.head_size);
+  const SrcToken* from = s.from.data();
+  for (int p = rotate_ != nullptr ? 1 : 0; p < 2; ++p) {
+    if (!lanes_[p].enabled()) {
+      copy_tokens(p, d, from, 0, bs);
+      continue;
+    }
+    lanes_[p].plan(from, s.groups, s.rest);
+    if (!s.groups.empty()) lanes_[p].run(d, s.groups, stream);
+    for (const TokenRange& r : s.rest) copy_tokens(p, d, from, r.first, r.last);
+  }
   for (uint64_t tb = 0; rotate_ != nullptr && tb < bs; ++tb) {
     for (uint64_t h = 0; h < heads; ++h) {
-      rotate_k(d + h * head, tb, from[tb].block + h * head, from[tb].tb, t0 + tb, buf);
+      rotate_k(d + h * head, tb, from[tb].block + h * head, from[tb].tb, t0 + tb,
+               s.buf.data());
     }
   }
 }
 
 // One (destination j, layer l, block b): the destination block (BS raw rows) and the few
 // source blocks it reads stay in L1/L2 while it is written.
-void FusedBlocksPlan::run_unit(uint64_t unit, std::vector<SrcToken>& from,
-                               std::vector<char>& buf) const {
+void FusedBlocksPlan::run_unit(uint64_t unit, Scratch& s) const {
   const uint64_t bs = a_.block_size, c = a_.chunk_tokens, row_bytes = a_.width * a_.itemsize;
   const uint64_t nblk = c / bs;
   const uint64_t j = unit / (a_.layers * nblk), l = unit / nblk % a_.layers, b = unit % nblk;
   const uint64_t t0 = io_.ids[j] * c + b * bs;  // output token of the block's token 0
+  std::vector<SrcToken>& from = s.from;
   for (uint64_t tb = 0; tb < bs; ++tb) {
-    const auto s = static_cast<uint64_t>(io_.idx[t0 + tb]);
-    const uint64_t st = s % c;
-    from[tb] = SrcToken{io_.src[s / c] + (l * c + st / bs * bs) * row_bytes, st % bs, 1};
+    const auto i = static_cast<uint64_t>(io_.idx[t0 + tb]);
+    const uint64_t st = i % c;
+    from[tb] = SrcToken{io_.src[i / c] + (l * c + st / bs * bs) * row_bytes, st % bs, 1};
   }
   for (uint64_t tb = bs - 1; tb-- > 0;) {  // runs of sources that follow each other
     const SrcToken &f = from[tb], &g = from[tb + 1];
     if (g.block == f.block && g.tb == f.tb + 1) from[tb].run = g.run + 1;
   }
-  copy_block(io_.dst[j] + (l * c + b * bs) * row_bytes, from, t0, buf.data());
+  copy_block(io_.dst[j] + (l * c + b * bs) * row_bytes, s, t0, s.stream && cold_[j] == 0);
 }
 
 // Units [first, last) of the (destination, layer, block) order, with this task's scratch.
-void FusedBlocksPlan::run_units(uint64_t first, uint64_t last) const {
-  std::vector<SrcToken> from(a_.block_size);
-  std::vector<char> buf(rotate_ != nullptr ? 2 * a_.head_size * a_.itemsize : 0);
-  for (uint64_t u = first; u < last; ++u) run_unit(u, from, buf);
+void FusedBlocksPlan::run_units(uint64_t first, uint64_t last, bool stream) const {
+  Scratch s;
+  s.stream = stream;
+  s.from.resize(a_.block_size);
+  s.buf.resize(rotate_ != nullptr ? 2 * a_.head_size * a_.itemsize : 0);
+  for (uint64_t u = first; u < last; ++u) run_unit(u, s);
+  if (stream) stream_fence();  // order the weakly-ordered stores before "done"
 }
 
 void FusedBlocksPlan::execute() const {
   const uint64_t units = io_.dst.size() * a_.layers * (a_.chunk_tokens / a_.block_size);
   if (units == 0) return;
   const int max_tasks = static_cast<int>(std::min<uint64_t>(units, 1u << 20));
-  run_parallel(total_bytes(), max_tasks, [this, units](int task, int ntasks) {
+  // lane groups stream whole cache lines when a copy of this size would (copy_kernels.hpp)
+  const bool stream = stream_copy_for(total_bytes()) != nullptr;
+  run_parallel(total_bytes(), max_tasks, [this, units, stream](int task, int ntasks) {
     using U = unsigned __int128;  // units * ntasks may pass 64 bits
     const U t = static_cast<U>(task), nt = static_cast<U>(ntasks);
     run_units(static_cast<uint64_t>(units * t / nt),
-              static_cast<uint64_t>(units * (t + 1) / nt));
+              static_cast<uint64_t>(units * (t + 1) / nt), stream);
   });
 }
 

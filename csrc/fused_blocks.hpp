@@ -21,13 +21,17 @@
 // bijection onto the cells {r * W + c : r < BS, c < 2 * HS} of one (block, head), which
 // proves every access in bounds and every destination byte written. Execution runs on the
 // copy pool WITHOUT the GIL, in units of (destination, layer, block); the caller pins
-// mapped regions' owners (native.cpp).
+// mapped regions' owners (native.cpp). A plane whose tokens are consecutive elements (K of
+// vec / vec16, unrotated) moves by AVX-512 lane groups where they fit (fused_tiles.hpp),
+// streaming whole cache lines into warm destinations when a copy of the call's size
+// would stream (copy_kernels.hpp); every other token as before.
 #pragma once
 
 #include <cstdint>
 #include <vector>
 
 #include "fused_chunks.hpp"
+#include "fused_tiles.hpp"
 #include "rope_rotate.hpp"
 
 namespace lmckv {
@@ -68,25 +72,30 @@ class FusedBlocksPlan {
     bool elementwise = false;
     std::vector<uint64_t> lane;  // [BS]; all 1 when seg_len is 0
   };
-  // Where a token of one destination block comes from: the source block's first byte
-  // (layer l, head 0), the token's place in it, and how many tokens from this one on come
-  // from the tokens after it in the same block.
-  struct SrcToken {
-    const char* block;
-    uint64_t tb, run;
+  using SrcToken = BlockToken;  // where a token of a destination block comes from
+  // One task's scratch, reused unit after unit.
+  struct Scratch {
+    std::vector<SrcToken> from;  // [BS]
+    std::vector<char> buf;       // a rotated K token's gather and result
+    std::vector<LaneGroup> groups;
+    std::vector<TokenRange> rest;
+    bool stream = false;  // lane groups may stream whole cache lines out (warm destinations)
   };
 
   static uint64_t checked_chunk_nbytes(const FusedBlocksArgs& a);  // validates the geometry
   static void append_cell(std::vector<Seg>& segs, int64_t r);
   void check_tables();
   void check_cells() const;
+  void check_cell(std::vector<int64_t>& owner, uint64_t code, int64_t r, int64_t c) const;
   void plan_copies();
   void plan_tiles(int p);
-  void run_units(uint64_t first, uint64_t last) const;
-  void run_unit(uint64_t unit, std::vector<SrcToken>& from, std::vector<char>& buf) const;
+  void plan_lanes(int p);
+  void run_units(uint64_t first, uint64_t last, bool stream) const;
+  void run_unit(uint64_t unit, Scratch& s) const;
   void copy_plane(int p, char* d, uint64_t dtb, const char* s, uint64_t stb, uint64_t n) const;
-  const Tile* tile_for(int p, uint64_t tb, const SrcToken& f) const;
-  void copy_block(char* d, const std::vector<SrcToken>& from, uint64_t t0, char* buf) const;
+  const Tile* tile_for(int p, uint64_t tb, const SrcToken& f, uint64_t most) const;
+  void copy_tokens(int p, char* d, const SrcToken* from, uint64_t first, uint64_t last) const;
+  void copy_block(char* d, Scratch& s, uint64_t t0, bool stream) const;
   void rotate_k(char* d, uint64_t dtb, const char* s, uint64_t stb, uint64_t t,
                 char* buf) const;
 
@@ -94,6 +103,8 @@ class FusedBlocksPlan {
   uint64_t chunk_nbytes_ = 0;
   FusedChunks io_;  // validated regions, ids, index and tables
   PlaneCopy copy_[2];
+  LaneGroups lanes_[2];       // a plane's lane groups (fused_tiles.hpp), when it has lanes
+  std::vector<char> cold_;    // destination j's pages are mostly not in memory yet
   RowGeom geom_{};            // one head of K, for the rotation
   RotateFn rotate_ = nullptr;  // nullptr: no rotation
 };

@@ -654,6 +654,11 @@ void bind_fused_blocks(py::module_& m) {
       "fused_rows for a CPU engine's raw [L, C, W] chunk objects: element (p, l, t, h, d) at "
       "l*C*W + (t//BS)*BS*W + h*2*HS + tok_off[p][t%BS] + dim_off[p][d] (geometry = (L, C, W, "
       "itemsize, BS, HS); tables flat, row-major); ValueError before any byte moves.");
+  m.def("fused_blocks_isa", &fused_blocks_isa,
+        "'avx512' when fused_blocks moves runs of consecutive tokens (K of vec / vec16) by "
+        "AVX-512 lane groups here, else 'generic' (token by token).");
+  m.def("_set_fused_blocks_isa", &set_fused_blocks_isa, "name"_a,
+        "Testing only: force fused_blocks' path ('avx512', 'generic' or back to 'auto').");
 }
 
 // ValueError unless every page of [addr, addr + len) is mapped: msync(MS_ASYNC) only

@@ -231,6 +231,12 @@ def fused_blocks(src_addrs: Sequence[int], src_nbytes: Sequence[int],
             moves).
     """
 
+def fused_blocks_isa() -> str:
+    """``"avx512"`` or ``"generic"``: how :func:`fused_blocks` moves consecutive tokens here."""
+
+def _set_fused_blocks_isa(name: str) -> None:
+    """Force ``"avx512"`` / ``"generic"`` or back to ``"auto"`` (tests; ValueError otherwise)."""
+
 def window_scores(q: Span, k: Span, out: Span, layers: int, tokens: int, tq: int,
                   n_kv: int, group: int, head_dim: int, window: int, at_end: bool,
                   scale: float) -> None:

@@ -1,12 +1,15 @@
 """What the fused kernels' tests share (test_fused_rows.py, test_fused_blocks.py).
 
 Token indices of every shape the kernels must take, the K rotation for an index, the
-output chunks a call writes, and destinations filled with a sentinel byte.
+output chunks a call writes, destinations filled with a sentinel byte, and regions between
+guard pages.
 """
 
 from __future__ import annotations
 
 import contextlib
+import ctypes
+import mmap
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
@@ -35,7 +38,10 @@ def token_index(kind: str, rows: int, block_size: int = 0, seed: int = 0) -> tor
     ``drop10`` every 10th dropped; ``keep`` a random sorted 2/3; ``dups`` repeats in any
     order; ``shift`` every row from 5 on (each output chunk straddles two sources);
     ``same`` every row where it was; ``pairs`` two of every 20 dropped (even shifts);
-    ``block`` the second engine block of ``block_size`` rows dropped.
+    ``block`` the second engine block of ``block_size`` rows dropped; ``stride2`` every
+    other row; ``reverse`` all rows backwards; ``scatter`` a random permutation;
+    ``span64`` / ``span65`` each 32 outputs rows ``b .. b+30`` and ``b+63`` / ``b+64``
+    (fused_blocks' lane windows: exactly 64 rows wide, one row too wide).
     """
     gen = torch.Generator().manual_seed(seed)
     if kind == "drop10":
@@ -52,6 +58,15 @@ def token_index(kind: str, rows: int, block_size: int = 0, seed: int = 0) -> tor
         idx = [t for t in range(rows) if t % 20 < 18]
     elif kind == "block":
         idx = [t for t in range(rows) if not block_size <= t < 2 * block_size]
+    elif kind == "stride2":
+        idx = list(range(0, rows, 2))
+    elif kind == "reverse":
+        idx = list(range(rows - 1, -1, -1))
+    elif kind == "scatter":
+        idx = torch.randperm(rows, generator=gen).tolist()
+    elif kind in ("span64", "span65"):
+        last = 63 if kind == "span64" else 64
+        idx = [t for b in range(0, rows - last, last + 1) for t in [*range(b, b + 31), b + last]]
     else:
         raise AssertionError(f"unknown index kind {kind!r}")
     return torch.tensor(idx, dtype=torch.int64)
@@ -121,3 +136,35 @@ def pool_for_every_call(threads: int = 3) -> Iterator[None]:
     finally:
         _native.set_parallel_threshold(threshold)
         _native.set_threads(before)
+
+
+_LIBC = ctypes.CDLL(None, use_errno=True)
+_LIBC.mmap.restype = ctypes.c_void_p
+_LIBC.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int,
+                       ctypes.c_int, ctypes.c_long]
+_LIBC.mprotect.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+_LIBC.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
+
+
+@contextlib.contextmanager
+def guarded_regions(sizes: list[int]) -> Iterator[list[int]]:
+    """Regions of ``sizes`` bytes between PROT_NONE pages, as their addresses.
+
+    Each region ends right before its second guard page, so a read past either end
+    faults (SIGSEGV) instead of passing unnoticed. Unmapped on exit.
+    """
+    page, maps, addrs = mmap.PAGESIZE, [], []
+    try:
+        for n in sizes:
+            body = -(-n // page) * page
+            base = _LIBC.mmap(None, body + 2 * page, mmap.PROT_READ | mmap.PROT_WRITE,
+                              mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS, -1, 0)
+            assert base is not None and base != ctypes.c_void_p(-1).value
+            maps.append((base, body + 2 * page))
+            assert _LIBC.mprotect(base, page, 0) == 0
+            assert _LIBC.mprotect(base + page + body, page, 0) == 0
+            addrs.append(base + page + body - n)
+        yield addrs
+    finally:
+        for base, total in maps:
+            _LIBC.munmap(base, total)

@@ -4,13 +4,16 @@
 against the torch backend's reference (to_tokens -> fused_rows -> to_raw) and against an
 independent plain-torch path (to_tokens, cat, index_select, ``edits.rerotate``, to_raw),
 bit for bit, for the vec / vec16 / amx orders, drops across chunk and block boundaries,
-destination subsets, neox / interleaved / partial rotations, bfloat16 and float32; every
-refused call (Python and core checks) leaves the destinations untouched; shm regions, cold
-pages on a full file system, pool splits. No server needed.
+destination subsets, neox / interleaved / partial rotations, bfloat16, float16 and float32,
+each with K's AVX-512 lane groups (csrc/fused_tiles.cpp) on and forced off; lane windows
+at their edges (64 tokens wide, ending on a block's last token, next to a guard page);
+every refused call (Python and core checks) leaves the destinations untouched; shm
+regions, cold pages on a full file system, pool splits. No server needed.
 """
 
 from __future__ import annotations
 
+import ctypes
 import dataclasses
 import errno
 from collections.abc import Callable, Iterator
@@ -25,9 +28,11 @@ from fused_support import (
     case_blank,
     case_chunk_ids,
     case_index,
+    guarded_regions,
     pool_for_every_call,
     rotation_for,
     span,
+    token_index,
 )
 
 from lmcache_kv_fast import _native, edits
@@ -39,6 +44,8 @@ from lmcache_kv_fast.errors import InvalidArgumentError, InvalidTypeError
 from lmcache_kv_fast.layout import CpuEngineKV
 
 INTS = {2: torch.int16, 4: torch.int32}
+#: fused_blocks' paths here: "generic" (token runs) always, "avx512" (lane groups) where it runs.
+ISAS = ["generic"] + (["avx512"] if _native.fused_blocks_isa() == "avx512" else [])
 
 
 @dataclass(frozen=True)
@@ -53,7 +60,7 @@ class Case:
     layers: int = 2
     n_src: int = 4
     dtype: torch.dtype = torch.bfloat16
-    index: str = "drop10"  # drop10 | keep | dups | shift | same | pairs | block
+    index: str = "drop10"  # a fused_support.token_index kind
     rope: str | None = None  # default | partial (None: plain)
     interleaved: bool = False
     subset: bool = False  # write only some output chunks, in a shuffled order
@@ -99,6 +106,38 @@ CASES = {
     "vec-block-f16": Case(index="block", dtype=torch.float16),
     "vec16-same-interleaved": Case(kernel="vec16", head_dim=16, index="same", rope="default",
                                    interleaved=True),
+}
+
+# W6's geometry (block 128, head 64, chunk 256) with few heads and layers: K's rows are 128
+# consecutive tokens, moved in lane groups of 32 (bfloat16 / float16) or 16 (float32).
+W6 = Case(head_dim=64, block_size=128, blocks=2, heads=2, layers=1, n_src=3)
+LANE_CASES = {
+    "w6-drop10": W6,
+    "w6-keep": dataclasses.replace(W6, index="keep"),  # random: windows of 2-4, some fall back
+    "w6-dups": dataclasses.replace(W6, index="dups"),  # mostly the token path
+    "w6-shift": dataclasses.replace(W6, index="shift"),  # groups straddle two source blocks
+    "w6-same": dataclasses.replace(W6, index="same"),  # straight groups
+    "w6-pairs-subset": dataclasses.replace(W6, index="pairs", subset=True),
+    "w6-block-f32": dataclasses.replace(W6, index="block", dtype=torch.float32),
+    "w6-stride2-f16": dataclasses.replace(W6, index="stride2", dtype=torch.float16),
+    "w6-reverse": dataclasses.replace(W6, index="reverse"),
+    "w6-scatter": dataclasses.replace(W6, index="scatter"),  # the token path
+    "w6-span64": dataclasses.replace(W6, index="span64"),  # windows end on a block's last token
+    "w6-span65-f16": dataclasses.replace(W6, index="span65", dtype=torch.float16),
+    "w6-span64-f32": dataclasses.replace(W6, index="span64", dtype=torch.float32),
+    "w6-drop10-neox": dataclasses.replace(W6, rope="default"),  # K rotated: V only
+    "vec-bs32-hs64-drop10-f16": Case(head_dim=64, block_size=32, blocks=4, dtype=torch.float16),
+    "vec-bs64-hs32-shift-f32": Case(block_size=64, blocks=2, dtype=torch.float32,
+                                    index="shift", heads=3),
+    "vec-bs64-hs64-keep-subset": Case(head_dim=64, block_size=64, blocks=2, index="keep",
+                                      subset=True),
+    "vec-bs256-hs64-drop10": Case(head_dim=64, block_size=256, blocks=1, layers=1, n_src=2),
+    "vec-bs48-hs48-drop10": Case(head_dim=48, block_size=48, blocks=2),  # a partial group
+    "vec16-hs16-bs32-drop10": Case(kernel="vec16", head_dim=16, block_size=32, blocks=4),
+    "vec16-hs16-bs16-shift-f32": Case(kernel="vec16", head_dim=16, dtype=torch.float32,
+                                      index="shift", blocks=4),
+    "vec16-hs48-bs96-pairs-f16": Case(kernel="vec16", head_dim=48, block_size=96,
+                                      dtype=torch.float16, index="pairs"),
 }
 
 
@@ -184,10 +223,29 @@ def _bits(t: torch.Tensor) -> torch.Tensor:
     return t.contiguous().view(torch.uint8)
 
 
+@pytest.fixture(params=ISAS)
+def isa(request: pytest.FixtureRequest) -> Iterator[str]:
+    """Every test using it once per path of fused_blocks (lane groups on / forced off)."""
+    _native._set_fused_blocks_isa(request.param)
+    try:
+        yield request.param
+    finally:
+        _native._set_fused_blocks_isa("auto")
+
+
 # ------------------------------------------------------------------ results
 @pytest.mark.parametrize("name", list(CASES))
-def test_native_equals_torch_reference_and_plain_torch(name: str) -> None:
-    case = CASES[name]
+def test_native_equals_torch_reference_and_plain_torch(name: str, isa: str) -> None:
+    _check_against_references(CASES[name])
+
+
+@pytest.mark.parametrize("name", list(LANE_CASES))
+def test_lane_groups_equal_torch_reference_and_plain_torch(name: str, isa: str) -> None:
+    """K's rows of consecutive tokens (vec / vec16), every edge of the lane windows."""
+    _check_against_references(LANE_CASES[name])
+
+
+def _check_against_references(case: Case) -> None:
     srcs, idx = _sources(case), case_index(case)
     rotation = _rotation(case, idx)
     ids = case_chunk_ids(case, idx.numel())
@@ -253,6 +311,81 @@ def test_pool_split_matches(name: str, small_pool_tasks: None) -> None:
     got = _run(nb, case, srcs, idx, ids, rotation)
     ref = _run(tb, case, srcs, idx, ids, rotation)
     assert all(torch.equal(_bits(g), _bits(r)) for g, r in zip(got, ref, strict=True))
+
+
+# ------------------------------------------------------------------ guard pages
+def _raw_bits(t: torch.Tensor) -> torch.Tensor:
+    """Each element's bit pattern as an int64."""
+    return t.view(INTS[t.element_size()]).to(torch.int64)
+
+
+def _by_tables(srcs: list[torch.Tensor], idx: torch.Tensor, ids: list[int], tok: torch.Tensor,
+               dim: torch.Tensor) -> list[torch.Tensor]:
+    """Destination objects' bits (one head, one block per chunk) gathered via the tables."""
+    layers, c, w = srcs[0].shape[1:]
+    p, lay, t, d = torch.meshgrid(*(torch.arange(n) for n in (2, layers, c, dim.shape[1])),
+                                  indexing="ij")
+    def at(tokens: torch.Tensor) -> torch.Tensor:
+        return lay * c * w + tok[p, tokens] + dim[p, d]
+    flat = torch.stack([_raw_bits(s).reshape(-1) for s in srcs])
+    out = []
+    for i in ids:
+        rows = idx[i * c:(i + 1) * c][t]
+        dst = torch.zeros(layers * c * w, dtype=torch.int64)
+        dst[at(t)] = flat[rows // c, at(rows % c)]
+        out.append(dst)
+    return out
+
+
+@pytest.mark.parametrize("dtype,bs,kind", [
+    (torch.bfloat16, 128, "drop10"), (torch.bfloat16, 128, "span64"),
+    (torch.float16, 128, "shift"), (torch.float32, 64, "drop10"), (torch.float32, 64, "reverse")])
+def test_lane_windows_read_nothing_past_their_source_objects(dtype: torch.dtype, bs: int,
+                                                             kind: str, isa: str) -> None:
+    """Masked window loads stay inside the source objects, next to guard pages.
+
+    K is placed after V in each block (tables the core takes, not an engine's), so the
+    last K row's last token is its source object's last element, right before a
+    PROT_NONE page; reading a window's whole registers there would fault.
+    """
+    hs, layers, n_src = 64, 2, 3
+    tables = CpuEngineKV(layers, 1, hs, dtype, bs, "vec").block_offsets()
+    assert tables is not None
+    tok, dim = tables
+    v_first = int(tok[1].min())  # V's first element: after K's rows in an engine's blocks
+    dim[0] += v_first
+    tok[1] -= v_first
+    geom = ChunkGeometry(1, layers, bs, 2 * hs, dtype.itemsize)  # a chunk is one block
+    nbytes = geom.chunk_nbytes
+    srcs = [(torch.randn(geom.object_shape()) * 3).to(dtype) for _ in range(n_src)]
+    idx = token_index(kind, n_src * bs)
+    ids = list(range(idx.numel() // bs))
+    dsts = [torch.full((nbytes,), SENTINEL, dtype=torch.uint8) for _ in ids]
+    with guarded_regions([nbytes] * n_src) as addrs:
+        for a, src in zip(addrs, srcs, strict=True):
+            ctypes.memmove(a, src.data_ptr(), nbytes)
+        _native.fused_blocks(
+            src_addrs=addrs, src_nbytes=[nbytes] * n_src, src_owners=None, dst_ids=ids,
+            dst_addrs=[t.data_ptr() for t in dsts], dst_nbytes=[nbytes] * len(ids),
+            dst_owners=None, idx=span(idx), n_out=idx.numel(),
+            geometry=(layers, bs, 2 * hs, dtype.itemsize, bs, hs),
+            tok_off=tok.reshape(-1).tolist(), dim_off=dim.reshape(-1).tolist(), cos=(0, 0, 0),
+            sin=(0, 0, 0), head_dim=0, rotary_dim=0, interleaved=False, dtype="")
+    for got, want in zip(dsts, _by_tables(srcs, idx, ids, tok, dim), strict=True):
+        assert torch.equal(_raw_bits(got.view(dtype)), want)
+
+
+def test_isa_switch() -> None:
+    """``fused_blocks_isa`` follows ``_set_fused_blocks_isa``; unknown names are refused."""
+    try:
+        _native._set_fused_blocks_isa("generic")
+        assert _native.fused_blocks_isa() == "generic"
+        _native._set_fused_blocks_isa("auto")
+        assert _native.fused_blocks_isa() == ISAS[-1]
+        with pytest.raises(ValueError, match="isa must be"):
+            _native._set_fused_blocks_isa("avx9")
+    finally:
+        _native._set_fused_blocks_isa("auto")
 
 
 # ------------------------------------------------------------------ shm regions

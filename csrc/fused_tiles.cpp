@@ -1,0 +1,266 @@
+#include "fused_tiles.hpp"
+
+#include <pybind11/pybind11.h>
+
+// GCC's intrinsic headers build undefined vectors as `__Y = __Y`, which -O1 (the
+// sanitizer build) reports as maybe-uninitialized at every use: not this code's values.
+#pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
+
+#include <algorithm>
+#include <atomic>
+#include <cstring>
+#include <utility>
+
+#if defined(__x86_64__)
+#include <immintrin.h>
+#endif
+
+namespace lmckv {
+
+namespace py = pybind11;
+
+namespace {
+
+std::atomic<int> g_forced{-1};  // -1 auto, 0 generic (the token path), 1 avx512
+
+bool avx512_here() {
+#if defined(__x86_64__)
+  static const bool ok = __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw");
+  return ok;
+#else
+  return false;
+#endif
+}
+
+#if defined(__x86_64__)
+#define LMCKV_LANE_TARGET __attribute__((target("avx512f,avx512bw")))
+
+// The element-size-specific instructions: masked load, two-table permute, masked merge.
+template <size_t E>
+struct Lanes;
+template <>
+struct Lanes<2> {
+  LMCKV_LANE_TARGET static __m512i load(uint64_t m, const char* p) {
+    return _mm512_maskz_loadu_epi16(static_cast<__mmask32>(m), p);
+  }
+  LMCKV_LANE_TARGET static __m512i permute(__m512i lo, __m512i idx, __m512i hi) {
+    return _mm512_permutex2var_epi16(lo, idx, hi);
+  }
+  LMCKV_LANE_TARGET static __m512i merge(__m512i acc, uint64_t take, __m512i v) {
+    return _mm512_mask_mov_epi16(acc, static_cast<__mmask32>(take), v);
+  }
+};
+template <>
+struct Lanes<4> {
+  LMCKV_LANE_TARGET static __m512i load(uint64_t m, const char* p) {
+    return _mm512_maskz_loadu_epi32(static_cast<__mmask16>(m), p);
+  }
+  LMCKV_LANE_TARGET static __m512i permute(__m512i lo, __m512i idx, __m512i hi) {
+    return _mm512_permutex2var_epi32(lo, idx, hi);
+  }
+  LMCKV_LANE_TARGET static __m512i merge(__m512i acc, uint64_t take, __m512i v) {
+    return _mm512_mask_mov_epi32(acc, static_cast<__mmask16>(take), v);
+  }
+};
+
+// One group's 64 bytes to d: non-temporal (S, d 64-byte aligned) or cached.
+template <bool S>
+LMCKV_LANE_TARGET inline void store(char* d, __m512i v) {
+  if constexpr (S) {
+    _mm512_stream_si512(reinterpret_cast<__m512i*>(d), v);
+  } else {
+    _mm512_storeu_si512(d, v);
+  }
+}
+
+// One window's tokens of a group, in the group's order, for the row `row` bytes into each
+// block: only the window's elements from its first to its last token are read (the
+// masks; the second register only when they reach into it).
+template <size_t E>
+LMCKV_LANE_TARGET inline __m512i window(const LaneWindow& w, int64_t row) {
+  constexpr uint64_t kG = 64 / E;
+  const char* p = w.block + (row + w.base);
+  const __m512i lo = Lanes<E>::load(w.load, p);
+  const uint64_t high = w.load >> kG;
+  const __m512i hi = high != 0 ? Lanes<E>::load(high, p + 64) : _mm512_setzero_si512();
+  return Lanes<E>::permute(lo, _mm512_load_si512(w.idx), hi);
+}
+
+// Every row, every group: rows outermost, so both blocks are walked in order (a group's
+// indices kept in registers over batches of rows, or groups outermost: 10-20% slower,
+// the walk matters more than the instructions here).
+template <size_t E, bool S>
+LMCKV_LANE_TARGET void lane_rows(char* dst, const LaneGroup* groups, uint64_t n,
+                                 const int64_t* rows, uint64_t nrows) {
+  for (uint64_t r = 0; r < nrows; ++r) {
+    const int64_t row = rows[r];
+    for (uint64_t k = 0; k < n; ++k) {
+      const LaneGroup& g = groups[k];
+      char* d = dst + (row + g.dst);
+      if (g.straight) {
+        store<S>(d, _mm512_loadu_si512(g.win[0].block + (row + g.win[0].base)));
+        continue;
+      }
+      __m512i acc = window<E>(g.win[0], row);
+      for (uint32_t s = 1; s < g.windows; ++s) {
+        acc = Lanes<E>::merge(acc, g.win[s].take, window<E>(g.win[s], row));
+      }
+      store<S>(d, acc);
+    }
+  }
+}
+#endif
+
+// The lane kernel for elements of `itemsize` bytes here (S: streaming stores), nullptr
+// for the token path.
+template <bool S>
+LaneRowsFn lane_rows_for(uint64_t itemsize) {
+  if (g_forced.load() == 0 || !avx512_here()) return nullptr;
+#if defined(__x86_64__)
+  if (itemsize == 2) return &lane_rows<2, S>;
+  if (itemsize == 4) return &lane_rows<4, S>;
+#endif
+  return nullptr;
+}
+
+// Append tokens [first, last), joined to the previous range when they follow it.
+void add_range(std::vector<TokenRange>& rest, uint64_t first, uint64_t last) {
+  if (!rest.empty() && rest.back().last == first) {
+    rest.back().last = last;
+  } else {
+    rest.push_back(TokenRange{first, last});
+  }
+}
+
+}  // namespace
+
+LaneGroups::LaneGroups(const int64_t* tok, uint64_t bs, uint64_t itemsize,
+                       std::vector<int64_t> rows)
+    : tok_(tok, tok + bs), lane_(bs), rows_(std::move(rows)), bs_(bs), e_(itemsize) {
+  fn_ = lane_rows_for<false>(itemsize);
+  stream_fn_ = lane_rows_for<true>(itemsize);
+  if (fn_ == nullptr) return;
+  g_ = 64 / itemsize;
+  for (int64_t& r : rows_) r *= static_cast<int64_t>(itemsize);
+  rows_aligned_ = std::all_of(rows_.begin(), rows_.end(), [](int64_t r) { return r % 64 == 0; });
+  for (uint64_t tb = 0; tb < bs; ++tb) {
+    lane_[tb] = tb > 0 && tok[tb] == tok[tb - 1] + 1 ? lane_[tb - 1] : tb;
+  }
+  bool any = false;
+  for (uint64_t t0 = 0; t0 + g_ <= bs; t0 += g_) {
+    dst_ok_.push_back(lane_[t0 + g_ - 1] == lane_[t0] ? 1 : 0);
+    any = any || dst_ok_.back() != 0;
+  }
+  if (!any) fn_ = nullptr;
+}
+
+void LaneGroups::plan(const BlockToken* from, std::vector<LaneGroup>& groups,
+                      std::vector<TokenRange>& rest) const {
+  groups.clear();
+  rest.clear();
+  for (uint64_t k = 0; k < dst_ok_.size(); ++k) {
+    const uint64_t t0 = k * g_;
+    if (dst_ok_[k] != 0) {
+      groups.emplace_back();
+      if (plan_group(from, t0, groups.back())) continue;
+      groups.pop_back();
+    }
+    add_range(rest, t0, t0 + g_);
+  }
+  if (bs_ % g_ != 0) add_range(rest, bs_ - bs_ % g_, bs_);
+}
+
+// Tokens t0 .. t0 + G - 1 into at most kMaxWindows windows: a token joins the window of
+// its block and lane that stays within 2G tokens with it (the last one used first), else
+// opens one. False when it needs more.
+bool LaneGroups::plan_group(const BlockToken* from, uint64_t t0, LaneGroup& g) const {
+  uint32_t of[32];  // each token's window (G <= 32)
+  uint64_t lo[LaneGroup::kMaxWindows], hi[LaneGroup::kMaxWindows];
+  uint32_t n = 0, last = 0;
+  auto fits = [&](uint32_t s, const BlockToken& f) {
+    return g.win[s].block == f.block && lane_[lo[s]] == lane_[f.tb] &&
+           std::max(hi[s], f.tb) - std::min(lo[s], f.tb) < 2 * g_;
+  };
+  for (uint64_t i = 0; i < g_; ++i) {
+    const BlockToken& f = from[t0 + i];
+    uint32_t s = last;
+    if (n == 0 || !fits(s, f)) {
+      for (s = 0; s < n && !fits(s, f); ++s) {
+      }
+      if (s == n) {
+        if (n == LaneGroup::kMaxWindows) return false;
+        g.win[n].block = f.block;
+        lo[n] = hi[n] = f.tb;
+        ++n;
+      }
+    }
+    lo[s] = std::min(lo[s], f.tb);
+    hi[s] = std::max(hi[s], f.tb);
+    of[i] = last = s;
+  }
+  g.windows = n;
+  const auto e = static_cast<int64_t>(e_);
+  g.dst = tok_[t0] * e;
+  for (uint32_t s = 0; s < n; ++s) {
+    LaneWindow& w = g.win[s];
+    w.base = tok_[lo[s]] * e;
+    const uint64_t span = hi[s] - lo[s] + 1;  // <= 2G <= 64
+    w.load = span == 64 ? ~uint64_t{0} : (uint64_t{1} << span) - 1;
+  }
+  fill_windows(from + t0, of, lo, g);
+  g.straight = n == 1;
+  for (uint64_t i = 0; g.straight && i < g_; ++i) {
+    g.straight = from[t0 + i].tb == lo[0] + i;
+  }
+  return true;
+}
+
+// Each window's permute indices (a token's distance from the window's first token lo[s])
+// and the tokens it gives (group: the group's G source tokens; of: each one's window).
+void LaneGroups::fill_windows(const BlockToken* group, const uint32_t* of, const uint64_t* lo,
+                              LaneGroup& g) const {
+  for (uint32_t s = 0; s < g.windows; ++s) {
+    std::memset(g.win[s].idx, 0, sizeof g.win[s].idx);
+    g.win[s].take = 0;
+  }
+  for (uint64_t i = 0; i < g_; ++i) {
+    LaneWindow& w = g.win[of[i]];
+    const uint64_t at = group[i].tb - lo[of[i]];  // < 2G: lo .. hi are one lane
+    w.take |= uint64_t{1} << i;
+    if (e_ == 2) {
+      const auto v = static_cast<uint16_t>(at);
+      std::memcpy(w.idx + 2 * i, &v, 2);
+    } else {
+      const auto v = static_cast<uint32_t>(at);
+      std::memcpy(w.idx + 4 * i, &v, 4);
+    }
+  }
+}
+
+void LaneGroups::run(char* dst, const std::vector<LaneGroup>& groups, bool stream) const {
+  stream = stream && rows_aligned_ &&
+           std::all_of(groups.begin(), groups.end(), [dst](const LaneGroup& g) {
+             return reinterpret_cast<uintptr_t>(dst + g.dst) % 64 == 0;
+           });
+  (stream ? stream_fn_ : fn_)(dst, groups.data(), groups.size(), rows_.data(), rows_.size());
+}
+
+std::string fused_blocks_isa() {
+  return g_forced.load() != 0 && avx512_here() ? "avx512" : "generic";
+}
+
+void set_fused_blocks_isa(const std::string& name) {
+  if (name == "auto") {
+    g_forced.store(-1);
+  } else if (name == "generic") {
+    g_forced.store(0);
+  } else if (name == "avx512") {
+    if (!avx512_here()) throw py::value_error("fused_blocks: this CPU has no AVX-512BW");
+    g_forced.store(1);
+  } else {
+    throw py::value_error("fused_blocks: isa must be 'auto', 'avx512' or 'generic', got '" +
+                          name + "'");
+  }
+}
+
+}  // namespace lmckv
