@@ -253,17 +253,26 @@ void FusedBlocksPlan::plan_copies() {
 }
 
 // Plane p's lane groups (fused_tiles.hpp) over its rows, dims outermost: a dim's heads sit
-// side by side in one raw row. Not for K when it is rotated token by token.
+// side by side in one raw row. A rotated K's rotary dims as pairs of rows (neox: i and
+// i + half; interleaved: 2i and 2i + 1), the rest copied.
 void FusedBlocksPlan::plan_lanes(int p) {
-  if (p == 0 && a_.rotary_dim != 0) return;
   const uint64_t hs = a_.head_size, heads = a_.width / (2 * hs);
+  const uint64_t rotary = p == 0 ? a_.rotary_dim : 0, half = rotary / 2;
   const int64_t* off = a_.dim_off.data() + p * hs;
+  auto row = [&](uint64_t h, uint64_t d) { return static_cast<int64_t>(h * 2 * hs) + off[d]; };
   std::vector<int64_t> rows;
-  for (uint64_t d = 0; d < hs; ++d) {
-    for (uint64_t h = 0; h < heads; ++h) rows.push_back(static_cast<int64_t>(h * 2 * hs) + off[d]);
+  for (uint64_t d = rotary; d < hs; ++d) {
+    for (uint64_t h = 0; h < heads; ++h) rows.push_back(row(h, d));
   }
   lanes_[p] = LaneGroups(a_.tok_off.data() + p * a_.block_size, a_.block_size, a_.itemsize,
                          std::move(rows));
+  if (rotary == 0) return;
+  std::vector<LanePair> pairs;
+  for (uint64_t i = 0; i < half; ++i) {
+    const uint64_t da = a_.interleaved ? 2 * i : i, db = a_.interleaved ? 2 * i + 1 : i + half;
+    for (uint64_t h = 0; h < heads; ++h) pairs.push_back(LanePair{row(h, da), row(h, db), i});
+  }
+  lanes_[p].set_rotation(std::move(pairs));
 }
 
 // Tiles of n = BS, BS/2, .. 2 tokens (halving while even) where every aligned group of n
@@ -383,27 +392,64 @@ void FusedBlocksPlan::copy_tokens(int p, char* d, const SrcToken* from, uint64_t
   }
 }
 
-// One destination block (d: its first byte; token tb from `s.from[tb]`), plane by plane:
-// a plane with lanes by its lane groups where they fit (fused_tiles.hpp; `stream`: they may
-// use non-temporal stores), every other token by copy_tokens; a rotated K token by token
-// (output token t0 + tb).
+// One destination block (d: its first byte; token tb from `s.from[tb]`, output token
+// t0 + tb), plane by plane: by lane groups where the plane has them (fused_tiles.hpp;
+// `stream`: they may use non-temporal stores), every other token by copy_tokens, or
+// rotate_tokens for a rotated K.
 void FusedBlocksPlan::copy_block(char* d, Scratch& s, uint64_t t0, bool stream) const {
-  const uint64_t bs = a_.block_size, head = 2 * a_.head_size * a_.itemsize;
-  const uint64_t heads = a_.width / (2 * a_.head_size);
+  const uint64_t bs = a_.block_size;
   const SrcToken* from = s.from.data();
-  for (int p = rotate_ != nullptr ? 1 : 0; p < 2; ++p) {
-    if (!lanes_[p].enabled()) {
-      copy_tokens(p, d, from, 0, bs);
+  for (int p = 0; p < 2; ++p) {
+    const bool rotated = p == 0 && rotate_ != nullptr;
+    if (!lanes_[p].enabled() || (rotated && !lanes_[p].rotates())) {
+      if (rotated) {
+        rotate_tokens(d, s, t0, 0, bs);
+      } else {
+        copy_tokens(p, d, from, 0, bs);
+      }
       continue;
     }
     lanes_[p].plan(from, s.groups, s.rest);
-    if (!s.groups.empty()) lanes_[p].run(d, s.groups, stream);
-    for (const TokenRange& r : s.rest) copy_tokens(p, d, from, r.first, r.last);
+    if (!s.groups.empty()) {
+      lanes_[p].run(d, s.groups, stream);
+      if (rotated) {
+        unit_tables(s, t0);
+        lanes_[p].rotate(d, s.groups, stream, s.cos_t.data(), s.sin_t.data());
+      }
+    }
+    for (const TokenRange& r : s.rest) {
+      if (rotated) {
+        rotate_tokens(d, s, t0, r.first, r.last);
+      } else {
+        copy_tokens(p, d, from, r.first, r.last);
+      }
+    }
   }
-  for (uint64_t tb = 0; rotate_ != nullptr && tb < bs; ++tb) {
+}
+
+// K of destination tokens [first, last) of one block, token by token and head by head:
+// gathered, rotated for output token t0 + tb, scattered (rotate_k).
+void FusedBlocksPlan::rotate_tokens(char* d, Scratch& s, uint64_t t0, uint64_t first,
+                                    uint64_t last) const {
+  const uint64_t head = 2 * a_.head_size * a_.itemsize, heads = a_.width / (2 * a_.head_size);
+  for (uint64_t tb = first; tb < last; ++tb) {
+    const SrcToken& f = s.from[tb];
     for (uint64_t h = 0; h < heads; ++h) {
-      rotate_k(d + h * head, tb, from[tb].block + h * head, from[tb].tb, t0 + tb,
-               s.buf.data());
+      rotate_k(d + h * head, tb, f.block + h * head, f.tb, t0 + tb, s.buf.data());
+    }
+  }
+}
+
+// The rotation tables of output tokens t0 .. t0 + BS - 1 as [pair][token] (s.cos_t,
+// s.sin_t): what one pair of rows of a lane group reads.
+void FusedBlocksPlan::unit_tables(Scratch& s, uint64_t t0) const {
+  const uint64_t bs = a_.block_size, half = geom_.half;
+  for (uint64_t tb = 0; tb < bs; ++tb) {
+    const float* c = io_.cos + (t0 + tb) * half;
+    const float* sn = io_.sin + (t0 + tb) * half;
+    for (uint64_t i = 0; i < half; ++i) {
+      s.cos_t[i * bs + tb] = c[i];
+      s.sin_t[i * bs + tb] = sn[i];
     }
   }
 }
@@ -434,6 +480,8 @@ void FusedBlocksPlan::run_units(uint64_t first, uint64_t last, bool stream) cons
   s.stream = stream;
   s.from.resize(a_.block_size);
   s.buf.resize(rotate_ != nullptr ? 2 * a_.head_size * a_.itemsize : 0);
+  s.cos_t.resize(rotate_ != nullptr ? geom_.half * a_.block_size : 0);
+  s.sin_t.resize(s.cos_t.size());
   for (uint64_t u = first; u < last; ++u) run_unit(u, s);
   if (stream) stream_fence();  // order the weakly-ordered stores before "done"
 }

@@ -22,9 +22,10 @@
 // proves every access in bounds and every destination byte written. Execution runs on the
 // copy pool WITHOUT the GIL, in units of (destination, layer, block); the caller pins
 // mapped regions' owners (native.cpp). A plane whose tokens are consecutive elements (K of
-// vec / vec16, unrotated) moves by AVX-512 lane groups where they fit (fused_tiles.hpp),
-// streaming whole cache lines into warm destinations when a copy of the call's size
-// would stream (copy_kernels.hpp); every other token as before.
+// vec / vec16) moves by AVX-512 lane groups where they fit (fused_tiles.hpp; a rotated K
+// turned pair of rows by pair of rows), streaming whole cache lines into warm destinations
+// when a copy of the call's size would stream (copy_kernels.hpp); every other token as
+// before.
 #pragma once
 
 #include <cstdint>
@@ -77,6 +78,7 @@ class FusedBlocksPlan {
   struct Scratch {
     std::vector<SrcToken> from;  // [BS]
     std::vector<char> buf;       // a rotated K token's gather and result
+    std::vector<float> cos_t, sin_t;  // [pair][BS]: the unit's tables for lane groups
     std::vector<LaneGroup> groups;
     std::vector<TokenRange> rest;
     bool stream = false;  // lane groups may stream whole cache lines out (warm destinations)
@@ -96,6 +98,8 @@ class FusedBlocksPlan {
   const Tile* tile_for(int p, uint64_t tb, const SrcToken& f, uint64_t most) const;
   void copy_tokens(int p, char* d, const SrcToken* from, uint64_t first, uint64_t last) const;
   void copy_block(char* d, Scratch& s, uint64_t t0, bool stream) const;
+  void rotate_tokens(char* d, Scratch& s, uint64_t t0, uint64_t first, uint64_t last) const;
+  void unit_tables(Scratch& s, uint64_t t0) const;
   void rotate_k(char* d, uint64_t dtb, const char* s, uint64_t stb, uint64_t t,
                 char* buf) const;
 

@@ -86,6 +86,18 @@ LMCKV_LANE_TARGET inline __m512i window(const LaneWindow& w, int64_t row) {
   return Lanes<E>::permute(lo, _mm512_load_si512(w.idx), hi);
 }
 
+// A group's G tokens of the row `row` bytes into each block: gathered from its windows,
+// or one plain load when it is straight.
+template <size_t E>
+LMCKV_LANE_TARGET inline __m512i group_row(const LaneGroup& g, int64_t row) {
+  if (g.straight) return _mm512_loadu_si512(g.win[0].block + (row + g.win[0].base));
+  __m512i acc = window<E>(g.win[0], row);
+  for (uint32_t s = 1; s < g.windows; ++s) {
+    acc = Lanes<E>::merge(acc, g.win[s].take, window<E>(g.win[s], row));
+  }
+  return acc;
+}
+
 // Every row, every group: rows outermost, so both blocks are walked in order (a group's
 // indices kept in registers over batches of rows, or groups outermost: 10-20% slower,
 // the walk matters more than the instructions here).
@@ -93,26 +105,79 @@ template <size_t E, bool S>
 LMCKV_LANE_TARGET void lane_rows(char* dst, const LaneGroup* groups, uint64_t n,
                                  const int64_t* rows, uint64_t nrows) {
   for (uint64_t r = 0; r < nrows; ++r) {
-    const int64_t row = rows[r];
     for (uint64_t k = 0; k < n; ++k) {
-      const LaneGroup& g = groups[k];
-      char* d = dst + (row + g.dst);
-      if (g.straight) {
-        store<S>(d, _mm512_loadu_si512(g.win[0].block + (row + g.win[0].base)));
-        continue;
-      }
-      __m512i acc = window<E>(g.win[0], row);
-      for (uint32_t s = 1; s < g.windows; ++s) {
-        acc = Lanes<E>::merge(acc, g.win[s].take, window<E>(g.win[s], row));
-      }
-      store<S>(d, acc);
+      store<S>(dst + (rows[r] + groups[k].dst), group_row<E>(groups[k], rows[r]));
+    }
+  }
+}
+
+// (a, b) -> (a c - b s, b c + a s) in rotate_body's roundings (rope_rotate.cpp): a c
+// rounded, then b s fused in; likewise b c, then a s.
+LMCKV_LANE_TARGET inline void turn(__m512& a, __m512& b, __m512 c, __m512 s) {
+  const __m512 ya = _mm512_fnmadd_ps(b, s, _mm512_mul_ps(a, c));
+  b = _mm512_fmadd_ps(a, s, _mm512_mul_ps(b, c));
+  a = ya;
+}
+
+// 16 bfloat16 (the low or high half of v) as float32.
+LMCKV_LANE_TARGET inline __m512 widen(__m256i v) {
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(v), 16));
+}
+
+// 16 float32 to bfloat16 exactly as f32_to_bf16 (edit_common.hpp): to nearest even, a
+// NaN quieted (not the BF16 instructions: they flush denormals).
+LMCKV_LANE_TARGET inline __m256i narrow(__m512 f) {
+  const __m512i u = _mm512_castps_si512(f), one = _mm512_set1_epi32(1);
+  const __m512i top = _mm512_srli_epi32(u, 16);
+  const __m512i bias = _mm512_add_epi32(_mm512_set1_epi32(0x7fff), _mm512_and_si512(top, one));
+  const __m512i r = _mm512_srli_epi32(_mm512_add_epi32(u, bias), 16);
+  const __mmask16 nan = _mm512_cmpgt_epu32_mask(
+      _mm512_and_si512(u, _mm512_set1_epi32(0x7fffffff)), _mm512_set1_epi32(0x7f800000));
+  return _mm512_cvtepi32_epi16(
+      _mm512_mask_mov_epi32(r, nan, _mm512_or_si512(top, _mm512_set1_epi32(0x40))));
+}
+
+// One group's pair of rows turned (E = 2: bfloat16 in two halves of 16; 4: float32) and
+// stored; c, s: the pair's cos / sin of the group's tokens.
+template <size_t E, bool S>
+LMCKV_LANE_TARGET inline void turn_group(char* dst, const LaneGroup& g, const LanePair& pr,
+                                         const float* c, const float* s) {
+  const __m512i va = group_row<E>(g, pr.a), vb = group_row<E>(g, pr.b);
+  if constexpr (E == 2) {
+    __m512 a0 = widen(_mm512_castsi512_si256(va)), a1 = widen(_mm512_extracti64x4_epi64(va, 1));
+    __m512 b0 = widen(_mm512_castsi512_si256(vb)), b1 = widen(_mm512_extracti64x4_epi64(vb, 1));
+    turn(a0, b0, _mm512_loadu_ps(c), _mm512_loadu_ps(s));
+    turn(a1, b1, _mm512_loadu_ps(c + 16), _mm512_loadu_ps(s + 16));
+    store<S>(dst + (pr.a + g.dst),
+             _mm512_inserti64x4(_mm512_castsi256_si512(narrow(a0)), narrow(a1), 1));
+    store<S>(dst + (pr.b + g.dst),
+             _mm512_inserti64x4(_mm512_castsi256_si512(narrow(b0)), narrow(b1), 1));
+  } else {
+    __m512 a = _mm512_castsi512_ps(va), b = _mm512_castsi512_ps(vb);
+    turn(a, b, _mm512_loadu_ps(c), _mm512_loadu_ps(s));
+    store<S>(dst + (pr.a + g.dst), _mm512_castps_si512(a));
+    store<S>(dst + (pr.b + g.dst), _mm512_castps_si512(b));
+  }
+}
+
+// Every pair of rows, every group (pairs outermost: a pair's rows, head after head, are
+// walked in order).
+template <size_t E, bool S>
+LMCKV_LANE_TARGET void lane_pairs(char* dst, const LaneGroup* groups, uint64_t n,
+                                  const LanePair* pairs, uint64_t npairs, const float* cos_t,
+                                  const float* sin_t, uint64_t bs) {
+  for (uint64_t p = 0; p < npairs; ++p) {
+    const LanePair& pr = pairs[p];
+    for (uint64_t k = 0; k < n; ++k) {
+      const uint64_t at = pr.i * bs + groups[k].t0;
+      turn_group<E, S>(dst, groups[k], pr, cos_t + at, sin_t + at);
     }
   }
 }
 #endif
 
-// The lane kernel for elements of `itemsize` bytes here (S: streaming stores), nullptr
-// for the token path.
+// The lane kernels for elements of `itemsize` bytes here (S: streaming stores), nullptr
+// for the token path. Rotations come in bfloat16 (2 bytes) and float32 only.
 template <bool S>
 LaneRowsFn lane_rows_for(uint64_t itemsize) {
   if (g_forced.load() == 0 || !avx512_here()) return nullptr;
@@ -120,6 +185,18 @@ LaneRowsFn lane_rows_for(uint64_t itemsize) {
   if (itemsize == 2) return &lane_rows<2, S>;
   if (itemsize == 4) return &lane_rows<4, S>;
 #endif
+  (void)itemsize;
+  return nullptr;
+}
+
+template <bool S>
+LaneRotateFn lane_pairs_for(uint64_t itemsize) {
+  if (g_forced.load() == 0 || !avx512_here()) return nullptr;
+#if defined(__x86_64__)
+  if (itemsize == 2) return &lane_pairs<2, S>;
+  if (itemsize == 4) return &lane_pairs<4, S>;
+#endif
+  (void)itemsize;
   return nullptr;
 }
 
@@ -201,6 +278,7 @@ bool LaneGroups::plan_group(const BlockToken* from, uint64_t t0, LaneGroup& g) c
   g.windows = n;
   const auto e = static_cast<int64_t>(e_);
   g.dst = tok_[t0] * e;
+  g.t0 = static_cast<uint32_t>(t0);
   for (uint32_t s = 0; s < n; ++s) {
     LaneWindow& w = g.win[s];
     w.base = tok_[lo[s]] * e;
@@ -237,12 +315,37 @@ void LaneGroups::fill_windows(const BlockToken* group, const uint32_t* of, const
   }
 }
 
+// Whether the groups' stores may stream: asked to, and every one a whole cache line.
+bool LaneGroups::streams(bool stream, char* dst, const std::vector<LaneGroup>& groups) const {
+  return stream && rows_aligned_ &&
+         std::all_of(groups.begin(), groups.end(), [dst](const LaneGroup& g) {
+           return reinterpret_cast<uintptr_t>(dst + g.dst) % 64 == 0;
+         });
+}
+
 void LaneGroups::run(char* dst, const std::vector<LaneGroup>& groups, bool stream) const {
-  stream = stream && rows_aligned_ &&
-           std::all_of(groups.begin(), groups.end(), [dst](const LaneGroup& g) {
-             return reinterpret_cast<uintptr_t>(dst + g.dst) % 64 == 0;
-           });
-  (stream ? stream_fn_ : fn_)(dst, groups.data(), groups.size(), rows_.data(), rows_.size());
+  if (rows_.empty()) return;
+  (streams(stream, dst, groups) ? stream_fn_ : fn_)(dst, groups.data(), groups.size(),
+                                                    rows_.data(), rows_.size());
+}
+
+void LaneGroups::set_rotation(std::vector<LanePair> pairs) {
+  pairs_ = std::move(pairs);
+  const auto e = static_cast<int64_t>(e_);
+  for (LanePair& p : pairs_) {
+    p.a *= e;
+    p.b *= e;
+    rows_aligned_ = rows_aligned_ && p.a % 64 == 0 && p.b % 64 == 0;
+  }
+  if (fn_ == nullptr) return;
+  rot_fn_ = lane_pairs_for<false>(e_);
+  rot_stream_fn_ = lane_pairs_for<true>(e_);
+}
+
+void LaneGroups::rotate(char* dst, const std::vector<LaneGroup>& groups, bool stream,
+                        const float* cos_t, const float* sin_t) const {
+  (streams(stream, dst, groups) ? rot_stream_fn_ : rot_fn_)(
+      dst, groups.data(), groups.size(), pairs_.data(), pairs_.size(), cos_t, sin_t, bs_);
 }
 
 std::string fused_blocks_isa() {

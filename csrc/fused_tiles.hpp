@@ -8,9 +8,14 @@
 // register: G = 32 of 2 bytes, 16 of 4), and each group is planned once per unit: which
 // source windows its tokens come from (a window: one source block's lane, at most 2G
 // tokens from its base w) and each token's place in its window. Every row of the unit
-// then moves a group with masked loads of its windows (only the elements between the
-// window's first and last token used: all inside the source block's lane), one two-table
+// then moves a group with masked loads of its windows (reading only the elements from a
+// window's first to its last token, all inside the source block's lane), one two-table
 // permute per window, masked merges and one 64-byte store. All rows share the plan.
+//
+// A rotated K (neox pairs of dims i, i + half; interleaved 2i, 2i + 1) turns both rows of
+// a pair in float32 per group, with the unit's cos / sin transposed to [pair][token], in
+// the row kernel's roundings (rope_rotate.hpp: the bytes are torch's; bfloat16 rounded as
+// f32_to_bf16, denormals kept); dims past the rotary ones are copied as above.
 //
 // Groups that do not fit (a destination group not inside one lane, more windows than
 // kMaxWindows, a window spanning more than 2G tokens) are left to the token path, as are
@@ -45,6 +50,7 @@ struct LaneGroup {
   static constexpr uint32_t kMaxWindows = 4;
   LaneWindow win[kMaxWindows];
   int64_t dst = 0;       // tok_off of the group's first token, times itemsize
+  uint32_t t0 = 0;       // the group's first token in its block
   uint32_t windows = 0;  // 1 .. kMaxWindows
   bool straight = false;  // one window, tokens base .. base + G - 1 in order: a plain copy
 };
@@ -58,6 +64,18 @@ struct TokenRange {
 // rows, each row's byte offset.
 using LaneRowsFn = void (*)(char* dst, const LaneGroup* groups, uint64_t n,
                             const int64_t* rows, uint64_t nrows);
+
+// One rotated pair of rows of one head (byte offsets of dims a and b in a block), turned
+// by pair i of the rotation.
+struct LanePair {
+  int64_t a, b;
+  uint64_t i;
+};
+
+// Turns every pair of rows of the groups: cos_t / sin_t [pairs][BS], the unit's tables.
+using LaneRotateFn = void (*)(char* dst, const LaneGroup* groups, uint64_t n,
+                              const LanePair* pairs, uint64_t npairs, const float* cos_t,
+                              const float* sin_t, uint64_t bs);
 
 // The lane groups of one plane (tok: its tok_off [BS]; rows: each (dim, head) row's
 // element offset h * 2 * HS + dim_off[d], in the order they are walked).
@@ -73,9 +91,18 @@ class LaneGroups {
   // Every row of the planned groups; `stream`: with non-temporal stores where every store
   // is a whole aligned cache line (the caller fences them).
   void run(char* dst, const std::vector<LaneGroup>& groups, bool stream) const;
+  // K rotated in the lanes: these pairs of rows (offsets in elements) are turned by rotate
+  // instead of copied by run (whose rows are then the other dims').
+  void set_rotation(std::vector<LanePair> pairs);
+  bool rotates() const { return rot_fn_ != nullptr; }
+  // Every pair of rows of the planned groups, turned by cos_t / sin_t ([pair][BS] floats:
+  // pair i of the unit's token tb at i * BS + tb).
+  void rotate(char* dst, const std::vector<LaneGroup>& groups, bool stream, const float* cos_t,
+              const float* sin_t) const;
 
  private:
   bool plan_group(const BlockToken* from, uint64_t t0, LaneGroup& g) const;
+  bool streams(bool stream, char* dst, const std::vector<LaneGroup>& groups) const;
   void fill_windows(const BlockToken* group, const uint32_t* of, const uint64_t* lo,
                     LaneGroup& g) const;
 
@@ -87,6 +114,8 @@ class LaneGroups {
   bool rows_aligned_ = false;  // every row starts on a 64-byte boundary of its block
   LaneRowsFn fn_ = nullptr;    // nullptr: the token path moves everything
   LaneRowsFn stream_fn_ = nullptr;
+  std::vector<LanePair> pairs_;  // in bytes
+  LaneRotateFn rot_fn_ = nullptr, rot_stream_fn_ = nullptr;
 };
 
 // "avx512" when fused_blocks moves lane groups with AVX-512 here, else "generic".

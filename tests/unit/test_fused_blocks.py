@@ -125,7 +125,18 @@ LANE_CASES = {
     "w6-span64": dataclasses.replace(W6, index="span64"),  # windows end on a block's last token
     "w6-span65-f16": dataclasses.replace(W6, index="span65", dtype=torch.float16),
     "w6-span64-f32": dataclasses.replace(W6, index="span64", dtype=torch.float32),
-    "w6-drop10-neox": dataclasses.replace(W6, rope="default"),  # K rotated: V only
+    # K rotated pair of rows by pair of rows (neox, interleaved, partial: the rest copied)
+    "w6-drop10-neox": dataclasses.replace(W6, rope="default"),
+    "w6-shift-interleaved": dataclasses.replace(W6, index="shift", rope="default",
+                                                interleaved=True),
+    "w6-keep-partial-subset": dataclasses.replace(W6, index="keep", rope="partial",
+                                                  subset=True),
+    "w6-same-neox-f32": dataclasses.replace(W6, index="same", rope="default",
+                                            dtype=torch.float32),
+    "w6-span65-partial-interleaved-f32": dataclasses.replace(
+        W6, index="span65", rope="partial", interleaved=True, dtype=torch.float32),
+    "w6-dups-neox": dataclasses.replace(W6, index="dups", rope="default"),  # mostly tokens
+    "vec-bs32-hs32-drop10-neox": Case(block_size=32, blocks=4, rope="default", heads=3),
     "vec-bs32-hs64-drop10-f16": Case(head_dim=64, block_size=32, blocks=4, dtype=torch.float16),
     "vec-bs64-hs32-shift-f32": Case(block_size=64, blocks=2, dtype=torch.float32,
                                     index="shift", heads=3),
@@ -373,6 +384,36 @@ def test_lane_windows_read_nothing_past_their_source_objects(dtype: torch.dtype,
             sin=(0, 0, 0), head_dim=0, rotary_dim=0, interleaved=False, dtype="")
     for got, want in zip(dsts, _by_tables(srcs, idx, ids, tok, dim), strict=True):
         assert torch.equal(_raw_bits(got.view(dtype)), want)
+
+
+@pytest.mark.skipif("avx512" not in ISAS, reason="no AVX-512BW: no lane groups")
+def test_lane_rotation_rounds_as_torch() -> None:
+    """Rotated lane groups: ties to even, denormals and overflows as torch.
+
+    Sources of a few short bfloat16 values and tables cos = 1 + k * 2^-8 make the products'
+    halves ties; tiny values go through unflushed, the largest round up to infinity. (The
+    token path's AVX-512 BF16 row kernel flushes denormal results: not compared here; NaNs
+    keep their payload, torch's do not.)
+    """
+    case = dataclasses.replace(W6, rope="default")
+    gen = torch.Generator().manual_seed(3)
+    values = torch.tensor([1.0, 1 + 2**-7, -1 - 2**-7, 1.5, 1e-39, -3e-40, 3.38e38, -3e38])
+    srcs = [values[torch.randint(0, len(values), case.geom.object_shape(), generator=gen)]
+            .to(case.dtype) for _ in range(case.n_src)]
+    idx = case_index(case)
+    half = case.head_dim // 2
+    cos = 1 + torch.randint(1, 4, (idx.numel(), half), generator=gen).float() * 2**-8
+    sin = torch.tensor([0.0, 2**-9, 1e-38])[torch.randint(0, 3, (idx.numel(), half),
+                                                           generator=gen)]
+    rotation = Rotation(cos, sin, case.head_dim, case.head_dim, False)
+    ids = case_chunk_ids(case, idx.numel())
+    _native._set_fused_blocks_isa("avx512")
+    try:
+        got = _run(nb, case, srcs, idx, ids, rotation)
+    finally:
+        _native._set_fused_blocks_isa("auto")
+    ref = _run(tb, case, srcs, idx, ids, rotation)
+    assert all(torch.equal(_bits(g), _bits(r)) for g, r in zip(got, ref, strict=True))
 
 
 def test_isa_switch() -> None:
