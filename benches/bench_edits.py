@@ -109,6 +109,41 @@ def memcpy_s(kv: torch.Tensor, reps: int) -> float:
     return statistics.median(ts)
 
 
+def window_floor(kv: torch.Tensor, q: torch.Tensor, reps: int) -> tuple[float, float, float]:
+    """SnapKV's unavoidable work alone: median seconds of its window scores and their exps.
+
+    The scores are every window query against every key, ``q @ k^T`` per KV head group
+    (``L * H_q * window * T * head_dim`` multiply-adds), as one torch bf16 batched matmul
+    (oneDNN, fp32 accumulation); then one fp32 ``exp`` over the scores (the softmax's).
+    Returns ``(matmul s, exp s, multiply-adds)``: no implementation of the edit can be
+    faster than their sum on this machine.
+    """
+    layers, tokens, width = kv.shape[1], kv.shape[2], kv.shape[3]
+    hd = 64
+    kvh = width // hd
+    group = q.shape[2] // hd // kvh
+    qg = q.view(layers, q.shape[1], kvh, group, hd).permute(0, 2, 3, 1, 4)
+    qg = qg.reshape(layers * kvh, group * q.shape[1], hd).contiguous()
+    k = kv[0].view(layers, tokens, kvh, hd).permute(0, 2, 3, 1).reshape(layers * kvh, hd, tokens)
+    k = k.contiguous()
+    out = torch.empty(layers * kvh, qg.shape[1], tokens, dtype=torch.bfloat16)
+    scores = torch.randn(out.shape, dtype=torch.float32)
+    ex = torch.empty_like(scores)
+
+    def timed(fn: Callable[[], Any]) -> float:
+        fn()
+        ts = []
+        for _ in range(reps):
+            t0 = time.perf_counter()
+            fn()
+            ts.append(time.perf_counter() - t0)
+        return statistics.median(ts)
+
+    mm = timed(lambda: torch.bmm(qg, k, out=out))
+    ex_s = timed(lambda: torch.exp(scores, out=ex))
+    return mm, ex_s, float(qg.shape[0] * qg.shape[1] * hd * tokens)
+
+
 def main(argv: list[str] | None = None) -> int:
     """Print one table per geometry: edit, ms, faults per call."""
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
@@ -117,6 +152,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--threads", type=int, default=torch.get_num_threads())
     ap.add_argument("--only", help="comma-separated substrings of the edit names to run")
     ap.add_argument("--plain", action="store_true", help="also time without PooledOutputs")
+    ap.add_argument("--floor", action="store_true",
+                    help="also time SnapKV's window scores and their exps alone (its floor)")
     args = ap.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     pool = ThreadPoolExecutor(1, initializer=set_thread_intraop_threads,
@@ -130,6 +167,11 @@ def main(argv: list[str] | None = None) -> int:
         logger.info("## %s, %d tokens, bf16, %d threads, backend %s; warm copy of the "
                     "sequence %.1f ms", name, args.tokens, args.threads, backend().NAME,
                     memcpy_s(kv, args.reps) * 1e3)
+        if args.floor:
+            mm, ex, macs = pool.submit(window_floor, kv, q, args.reps).result()
+            logger.info("SnapKV's floor: window scores %.1f ms (%.2f G multiply-adds, torch bf16 "
+                        "bmm: %.0f GMAC/s) + their exps %.1f ms = %.1f ms", mm * 1e3, macs / 1e9,
+                        macs / mm / 1e9, ex * 1e3, (mm + ex) * 1e3)
         logger.info("| edit | pooled ms | faults/call |%s", " plain ms |" if args.plain else "")
         for label, fn in library_edits(q, rope).items():
             if args.only and not any(s in label for s in args.only.split(",")):
