@@ -38,11 +38,19 @@ class FusedHooks:
         tokens: ``tokens(item)``: the tokens whose cached prefix is rewritten (it may wait
             for them; raising fails the item at ``retrieve``).
         done: ``done(item, rewritten)``: called after a rewrite that read something.
+        expected: ``expected(item)``: the prefix the item should find cached, tried
+            first without waiting; only when less of it is cached (nothing written yet)
+            does ``tokens`` wait. None: ``tokens`` first.
     """
 
     edit: Callable[[Any, Callable[..., Any]], Callable[..., Any] | None]
     tokens: Callable[[Any], Sequence[int]]
     done: Callable[[Any, RowsRewritten], None]
+    expected: Callable[[Any], Sequence[int]] | None = None
+
+
+class _ShortHit(Exception):
+    """The cached prefix is shorter than expected: nothing was written; wait, then retry."""
 
 
 class FusedPath:
@@ -86,15 +94,8 @@ class FusedPath:
             Exception: A server or I/O error (the caller accounts it at the returned
                 stage of :meth:`failed_stage`).
         """
-        def planner(hit: Sequence[int]) -> RowPlan:
-            plan = row_plan(fn, hit)
-            if plan is None:  # plannable(fn) said it would be
-                raise KVCacheSDKError(f"{fn!r} could not be planned")
-            return plan
-
-        toks = normalize_tokens(item if self.hooks is None else self.hooks.tokens(item))
         try:
-            done = self.ctx.rewrite_rows(toks, planner, fn, salt, stages=res.stages)
+            done = self._rewrite(item, fn, salt, res)
         except EditError as err:
             res.fail("fn", err.__cause__ or err)
             return "fn"
@@ -119,12 +120,46 @@ class FusedPath:
                       "fewer tokens than one chunk")
         return "store"
 
+    def _rewrite(self, item: Any, fn: Callable[..., Any], salt: str,
+                 res: ItemResult) -> RowsRewritten | None:
+        """``ctx.rewrite_rows`` of the item: the expected prefix first, waiting only if short."""
+        hooks = self.hooks
+        want = [] if hooks is None or hooks.expected is None else hooks.expected(item)
+        if want:
+            want = normalize_tokens(want)
+            try:
+                done = self.ctx.rewrite_rows(want, _planner(fn, len(want)), fn, salt,
+                                             stages=res.stages)
+            except EditError as err:
+                if not isinstance(err.__cause__, _ShortHit):
+                    raise
+            else:
+                if done is not None:
+                    return done
+            res.stages.clear()
+        toks = normalize_tokens(item if hooks is None else hooks.tokens(item))
+        return self.ctx.rewrite_rows(toks, _planner(fn), fn, salt, stages=res.stages)
+
     @staticmethod
     def failed_stage(res: ItemResult) -> str:
         """Where an exception of :meth:`run` happened, by the stages that had ended."""
         if "fn" in res.stages:
             return "store"
         return "fn" if "retrieve" in res.stages else "retrieve"
+
+
+def _planner(fn: Callable[..., Any], need: int = 0) -> Callable[[Sequence[int]], RowPlan]:
+    """``fn``'s row plan for a hit; a hit shorter than ``need`` tokens raises ``_ShortHit``."""
+
+    def planner(hit: Sequence[int]) -> RowPlan:
+        if len(hit) < need:
+            raise _ShortHit
+        plan = row_plan(fn, hit)
+        if plan is None:  # plannable(fn) said it would be
+            raise KVCacheSDKError(f"{fn!r} could not be planned")
+        return plan
+
+    return planner
 
 
 def _token_bytes(ctx: LMCacheKVCacheContext) -> int:

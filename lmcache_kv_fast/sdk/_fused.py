@@ -3,8 +3,9 @@
 When ``fn`` is a library edit planned without reading the KV
 (:func:`lmcache_kv_fast.edits.plannable`: positional selections, with ``rope`` or not,
 and chains of them) and a stream has only a KV context, its modify is one
-``rewrite_rows`` call (``batch/_fused.py``): the wait for the engine's store (lookups
-with back-off, as the tensor path waits), then every kept row goes once from the
+``rewrite_rows`` call (``batch/_fused.py``) on the prefix the engine's store should have
+left (when less of it is cached, nothing is written: the wait for the store, lookups with
+back-off as the tensor path waits, then a second call); every kept row goes once from the
 read-locked slots into the new sequence's reserved ones, K re-rotated on the way, a CPU
 engine's rows in its own element order (no per-token tensor). Other streams, and any
 other ``fn``, take wait → retrieve → ``fn`` → store.
@@ -53,6 +54,10 @@ def fused_hooks(fn: Callable[..., Any], timeout: float, poll_interval: float,
         m.lookups += res.lookups
         return m.stream.tokens[: res.hit_tokens]
 
+    def expected(m: Any) -> Sequence[int]:
+        chunk = m.stream.context(KV).chunk_size
+        return m.stream.tokens[: m.stream.expected_cached_tokens() // chunk * chunk]
+
     def done(m: Any, rewritten: Any) -> None:
         m.cached_len = rewritten.hit_tokens
         m.new_tokens = [int(t) for t in rewritten.tokens]
@@ -60,4 +65,4 @@ def fused_hooks(fn: Callable[..., Any], timeout: float, poll_interval: float,
         m.nbytes += m.kv_nbytes
         m.path = "fused" if rewritten.fused else "tensor"
 
-    return FusedHooks(edit, tokens, done)
+    return FusedHooks(edit, tokens, done, expected)

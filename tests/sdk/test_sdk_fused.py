@@ -10,6 +10,8 @@ an edit's error are reported at the same stages as on the tensor path.
 
 from __future__ import annotations
 
+import threading
+
 import pytest
 import torch
 from conftest import make_model, rand_tokens
@@ -65,7 +67,9 @@ def test_modify_with_library_edits(kvctx, fn):
     for s, _ in made:
         b.add(s)
     before = [list(s.tokens) for s, _ in made]
-    rep = b.modify(fn).to_dict()["metrics"]["results"]
+    doc = b.modify(fn).to_dict()["metrics"]
+    rep = doc["results"]
+    assert doc["stages"]["lookups"] == 0  # everything was cached: no wait, on either path
     fused = fn is not _plain_drop and ctx.kv_context.transport == "shm"
     assert rep["streams_modified"] == 3 and rep["streams_failed"] == 0
     assert rep["streams_fused"] == (3 if fused else 0)
@@ -94,6 +98,35 @@ def test_fused_modify_waits_and_reports_a_missing_cache(server_shm):
         assert ei.value.metrics.to_dict()["metrics"]["stages"]["lookups"] >= 3
         assert b.last_modify.items[0].stage == "retrieve"
         assert len(s.tokens) == 600 and s.suffix_tokens == []
+
+
+def test_fused_modify_waits_for_a_store_that_lands_late(server_shm):
+    """Two of three chunks cached at first: nothing is written until the wait saw all three."""
+    m = make_model(server_shm, num_layers=2, num_kv_heads=2, head_size=HEAD)
+    with lmc_sdk.kvcache.connect(server_shm.url, server_shm.http_url, m.name) as ctx:
+        (s, kv), = _streams(m, ctx, 1, 2 * C, 930, salt="late")
+        full = rand_tokens(C, 931)
+        s.tokens.extend(full)
+        kv3 = torch.cat([kv, m.kv(C, seed=932)], dim=2)
+        s._stored_upto = 3 * C  # as if the engine had been sent all of it
+        late = threading.Timer(0.3, ctx.kv_context.store, (kv3, list(s.tokens)),
+                               {"cache_salt": "late"})
+        late.start()
+        try:
+            b = lmc_sdk.batch.LMCacheBatchedStream()
+            b.add(s)
+            old = list(s.tokens)
+            doc = b.modify(edits.drop_every(10), timeout=10, poll_interval=0.05).to_dict()
+        finally:
+            late.join()
+        assert doc["metrics"]["stages"]["lookups"] >= 1
+        assert b.last_modify.items[0].path == "fused"
+        want, kept = edits.drop_every(10)(kv3, old)
+        assert s.tokens == kept
+        n = len(kept) // C * C
+        got = ctx.kv_context.retrieve(kept, cache_salt="late")
+        assert got is not None and got.shape[2] == n
+        assert torch.equal(bits(got), bits(want[:, :, :n]))
 
 
 def test_fused_modify_reports_the_edits_error(server_shm):
