@@ -1,7 +1,5 @@
 #include "amx_tiles.hpp"
 
-#include <algorithm>
-
 #if defined(__x86_64__)
 #include <cpuid.h>
 #include <sys/syscall.h>
@@ -40,31 +38,6 @@ struct TileConfig {
   uint16_t colsb[16] = {};
   uint8_t rows[16] = {};
 };
-
-// In-register transpose of a 16 x 16 matrix of 32-bit words: r[j][c] -> r[c][j].
-LMCKV_AMX_TARGET inline void transpose16(__m512i r[16]) {
-  __m512i t[16], u[16];
-  for (int i = 0; i < 8; ++i) {
-    t[2 * i] = _mm512_unpacklo_epi32(r[2 * i], r[2 * i + 1]);
-    t[2 * i + 1] = _mm512_unpackhi_epi32(r[2 * i], r[2 * i + 1]);
-  }
-  for (int g = 0; g < 4; ++g) {  // u[4g + m], lane L: column 4L + m of rows 4g .. 4g + 3
-    u[4 * g] = _mm512_unpacklo_epi64(t[4 * g], t[4 * g + 2]);
-    u[4 * g + 1] = _mm512_unpackhi_epi64(t[4 * g], t[4 * g + 2]);
-    u[4 * g + 2] = _mm512_unpacklo_epi64(t[4 * g + 1], t[4 * g + 3]);
-    u[4 * g + 3] = _mm512_unpackhi_epi64(t[4 * g + 1], t[4 * g + 3]);
-  }
-  for (int m = 0; m < 4; ++m) {  // a 4 x 4 transpose of 128-bit lanes
-    const __m512i v0 = _mm512_shuffle_i32x4(u[m], u[4 + m], 0x44);
-    const __m512i v1 = _mm512_shuffle_i32x4(u[m], u[4 + m], 0xEE);
-    const __m512i v2 = _mm512_shuffle_i32x4(u[8 + m], u[12 + m], 0x44);
-    const __m512i v3 = _mm512_shuffle_i32x4(u[8 + m], u[12 + m], 0xEE);
-    r[m] = _mm512_shuffle_i32x4(v0, v2, 0x88);
-    r[4 + m] = _mm512_shuffle_i32x4(v0, v2, 0xDD);
-    r[8 + m] = _mm512_shuffle_i32x4(v1, v3, 0x88);
-    r[12 + m] = _mm512_shuffle_i32x4(v1, v3, 0xDD);
-  }
-}
 
 // Two row blocks of 16 (tmm4/5 and tmm6/7 hold their A tiles) against every key block:
 // head_dim 64 or less (one or two 32-element k steps).
@@ -123,24 +96,6 @@ LMCKV_AMX_TARGET void rows_x1(const uint16_t* a, uint64_t hd, const uint32_t* b,
 }
 
 }  // namespace
-
-// One head's keys as AMX B tiles, block by block of 16 keys: in block kb, tile kt, word
-// (pair p, key j) holds dims kt*32 + 2p, +1 of key kb*16 + j (zero past `tokens`).
-LMCKV_AMX_TARGET void pack_keys(uint32_t* b, const uint16_t* k, uint64_t k_row,
-                                uint64_t tokens, uint64_t hd) {
-  const uint64_t nkt = hd / 32;
-  for (uint64_t t0 = 0; t0 < tokens; t0 += kTile) {
-    const uint64_t n = std::min(kTile, tokens - t0);
-    for (uint64_t kt = 0; kt < nkt; ++kt, b += kTile * kTile) {
-      __m512i r[16];
-      for (uint64_t j = 0; j < kTile; ++j) {
-        r[j] = j < n ? _mm512_loadu_si512(k + (t0 + j) * k_row + kt * 32) : _mm512_setzero_si512();
-      }
-      transpose16(r);
-      for (uint64_t p = 0; p < kTile; ++p) _mm512_storeu_si512(b + p * kTile, r[p]);
-    }
-  }
-}
 
 // The tile shapes: every tile 16 rows of 64 bytes (16 float32 or 32 bfloat16 columns).
 LMCKV_AMX_TARGET void configure_tiles() {

@@ -11,6 +11,8 @@
 
 #include "amx_tiles.hpp"
 #include "common.hpp"
+#include "window_avx512.hpp"
+#include "window_scores.hpp"
 
 #pragma GCC diagnostic ignored "-Wmaybe-uninitialized"  // GCC's `__Y = __Y` (amx_tiles.cpp)
 
@@ -49,7 +51,7 @@ LMCKV_AMX_TARGET float row_redundancy(const float* dot, const float* inv, uint64
     acc1 = _mm512_mask_add_ps(acc1, _mm512_cmp_ps_mask(c1, vt, _CMP_GT_OQ), acc1, c1);
   }
   for (; t < n; t += 16) {
-    const __mmask16 m = amx::tail_mask(n - t);
+    const __mmask16 m = avx512::tail_mask(n - t);
     const __m512 c = _mm512_mul_ps(_mm512_mul_ps(_mm512_maskz_loadu_ps(m, dot + t), vi),
                                    _mm512_maskz_loadu_ps(m, inv + t));
     acc0 = _mm512_mask_add_ps(acc0, m & _mm512_cmp_ps_mask(c, vt, _CMP_GT_OQ), acc0, c);
@@ -59,7 +61,7 @@ LMCKV_AMX_TARGET float row_redundancy(const float* dot, const float* inv, uint64
 
 LMCKV_AMX_TARGET void unit_amx(Scratch& s, uint64_t rows_pad, uint64_t ld, uint64_t hd,
                                uint64_t T, float thr, float* out) {
-  amx::pack_keys(s.b.data(), s.a.data(), hd, T, hd);
+  avx512::pack_pairs(s.b.data(), s.a.data(), hd, T, hd);
   amx::configure_tiles();
   for (uint64_t rb = 0; rb < rows_pad;) {
     const uint64_t step = rb + 2 * kTile <= rows_pad ? 2 * kTile : kTile;
@@ -82,7 +84,7 @@ LMCKV_AMX_TARGET void unit_amx(Scratch& s, uint64_t rows_pad, uint64_t ld, uint6
 }  // namespace
 
 bool KeyRedundancyPlan::supported(uint64_t head_dim) {
-  return head_dim % 32 == 0 && head_dim > 0 && head_dim <= 128 && amx::available();
+  return window_dot_isa(head_dim) == DotIsa::kAmx;
 }
 
 namespace {

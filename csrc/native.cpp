@@ -217,7 +217,7 @@ void bind_edit_kernels(py::module_& m) {
       },
       "k"_a, "out"_a, "layers"_a, "tokens"_a, "n_kv"_a, "head_dim"_a, "threshold"_a,
       "R-KV's redundancy sums: out [L, n_kv, T] float32 from bf16 k [L, T, n_kv*hd] "
-      "(ValueError before any work; AMX only, see key_redundancy_supported).");
+      "(ValueError before any work; see key_redundancy_supported).");
   m.def("key_redundancy_supported", [](py::handle head_dim) {
     return KeyRedundancyPlan::supported(field(head_dim, "head_dim"));
   }, "head_dim"_a);
@@ -235,7 +235,14 @@ void bind_edit_kernels(py::module_& m) {
       "k"_a, "out"_a, "layers"_a, "tokens"_a, "n_kv"_a, "head_dim"_a, "keydiff"_a,
       "KeyDiff (keydiff=True) or L2 scores out [L, n_kv, T] float32 from bf16 k [L, T, "
       "n_kv*hd] (ValueError before any work).");
-  m.def("window_scores_isa", &window_scores_isa);
+  m.def(
+      "window_scores_isa",
+      [](py::handle head_dim) {
+        return head_dim.is_none() ? window_scores_isa()
+                                  : window_scores_isa(field(head_dim, "head_dim"));
+      },
+      "head_dim"_a = py::none(),
+      "'amx', 'avx512' or 'generic': window_scores' path here (for keys of head_dim).");
   m.def("_set_window_scores_isa", &set_window_scores_isa, "name"_a);
 }
 

@@ -243,7 +243,8 @@ def window_scores(q: Span, k: Span, out: Span, layers: int, tokens: int, tq: int
     """SnapKV's window attention, summed over the window: float32 ``out [L, Hq, T]``.
 
     From bfloat16 ``q [L, tq, Hq * head_dim]`` (its last ``window`` rows) and ``k [L, T,
-    n_kv * head_dim]``; ``Hq = n_kv * group``. AMX tiles where the CPU has them.
+    n_kv * head_dim]``; ``Hq = n_kv * group``. AMX tiles or AVX512-BF16 where the CPU has
+    them (:func:`window_scores_isa`), else a portable loop.
 
     Raises:
         ValueError: A window outside ``1 .. tq`` (or past T when ``at_end``), a scale not
@@ -270,7 +271,7 @@ def key_redundancy(k: Span, out: Span, layers: int, tokens: int, n_kv: int, head
     """R-KV's redundancy sums: float32 ``out [L, n_kv, T]`` from bfloat16 ``k``.
 
     ``out[l][h][i]`` sums ``cos(k_i, k_j)`` over the head's other keys with a cosine
-    above ``threshold``. AMX only (:func:`key_redundancy_supported`).
+    above ``threshold``. Fast paths only (:func:`key_redundancy_supported`).
 
     Raises:
         ValueError: No AMX or an unsupported head size, a span outside its buffer,
@@ -278,13 +279,21 @@ def key_redundancy(k: Span, out: Span, layers: int, tokens: int, n_kv: int, head
     """
 
 def key_redundancy_supported(head_dim: int) -> bool:
-    """Whether :func:`key_redundancy` runs here for this head size."""
+    """Whether :func:`key_redundancy` runs here for this head size (and forced isa)."""
 
-def window_scores_isa() -> str:
-    """``"amx"`` or ``"generic"``: the path :func:`window_scores` takes here."""
+def window_scores_isa(head_dim: int | None = None) -> str:
+    """``"amx"``, ``"avx512"`` or ``"generic"``: the path :func:`window_scores` takes here.
+
+    Without ``head_dim``, the fastest this CPU runs and the forced isa allows; with it,
+    the one for that head size (AMX: multiples of 32 up to 128; AVX-512: even sizes).
+    """
 
 def _set_window_scores_isa(name: str) -> None:
-    """Force ``"amx"`` / ``"generic"`` or back to ``"auto"`` (tests; ValueError otherwise)."""
+    """Cap window_scores' and key_redundancy's path (tests; ``"auto"`` lifts the cap).
+
+    ``"amx"`` (the same as ``"auto"``), ``"avx512"`` or ``"generic"``; ValueError for
+    another name or a path this CPU cannot run.
+    """
 
 def set_threads(n: int) -> None:
     """Copy threads including the caller, 1..MAX_THREADS (ValueError otherwise)."""

@@ -6,6 +6,11 @@ queries); otherwise each returns None and the edit runs its torch code, which co
 the same values. Results live in the result pool (:func:`alloc_result`), so an edit that
 runs per sequence reuses already-faulted memory. ``csrc/rope_gather.cpp`` and
 ``csrc/window_scores.cpp`` say what is computed and how.
+
+The dot products of :func:`window_scores` and :func:`key_redundancy` are fast in the core
+only on AMX or AVX512-BF16 (:func:`window_scores_isa`); elsewhere the core's portable loop
+is several times slower than torch's matmul, so these decline and the edit runs torch,
+unless asked for that loop (``window_scores(..., portable=True)``: the tests).
 """
 
 from __future__ import annotations
@@ -87,7 +92,8 @@ def gather_tokens(kv: torch.Tensor, idx: torch.Tensor,
 
 
 def window_scores(q: torch.Tensor, k: torch.Tensor, head_dim: int, n_kv: int, window: int,
-                  *, at_end: bool, scale: float) -> torch.Tensor | None:
+                  *, at_end: bool, scale: float, portable: bool = False
+                  ) -> torch.Tensor | None:
     """Window attention summed over the window, ``[L, Hq, T]`` float32; or None.
 
     Args:
@@ -99,15 +105,21 @@ def window_scores(q: torch.Tensor, k: torch.Tensor, head_dim: int, n_kv: int, wi
         window: Queries in the window (1 .. Tq).
         at_end: The queries are the KV's last tokens (causal within the window).
         scale: Logit scale (> 0).
+        portable: Run the core's portable loop too, where it has no fast path for this
+            head size (slower than torch: for tests of that loop).
 
     Returns:
-        The scores, or None when the core cannot run this call (dtypes, layout, backend).
+        The scores, or None when the core cannot run this call (dtypes, layout, backend)
+        or has only its portable loop for it and ``portable`` is False.
     """
     native = _native()
     if native is None or q.dtype != torch.bfloat16 or k.dtype != torch.bfloat16 or \
             q.dim() != 3 or k.dim() != 3 or not (_dense(q) and _dense(k)) or \
             not (scale > 0) or n_kv <= 0 or head_dim <= 0 or k.shape[2] != n_kv * head_dim or \
             q.shape[2] % (n_kv * head_dim):
+        return None
+    if not portable and \
+            native.window_scores_isa(head_dim) == "generic":  # type: ignore[attr-defined]
         return None
     layers, count = k.shape[0], k.shape[1]
     group = q.shape[2] // (n_kv * head_dim)
@@ -162,7 +174,7 @@ def key_scores(k: torch.Tensor, head_dim: int, method: str) -> torch.Tensor | No
 
 
 def key_redundancy(k: torch.Tensor, head_dim: int, threshold: float) -> torch.Tensor | None:
-    """R-KV's redundancy sums ``[L, Hkv, T]`` float32 (AMX only); or None.
+    """R-KV's redundancy sums ``[L, Hkv, T]`` float32 (AMX only, for now); or None.
 
     ``out[l, h, i]`` = the sum of ``cos(k_i, k_j)`` over the other keys ``j`` of head
     ``h`` whose cosine exceeds ``threshold``; the caller takes the mean and the softmax.
@@ -173,12 +185,12 @@ def key_redundancy(k: torch.Tensor, head_dim: int, threshold: float) -> torch.Te
         threshold: Cosines at or below it do not count.
 
     Returns:
-        The sums, or None when the core cannot run this call (no AMX, head size, dtype).
+        The sums, or None when the core cannot run this call fast (no AMX, or an isa
+        forced below it; head size, dtype): it has no portable loop.
     """
     native = _native()
     if native is None or k.dtype != torch.bfloat16 or k.dim() != 3 or not _dense(k) or \
             head_dim <= 0 or k.shape[2] % head_dim or \
-            window_scores_isa() != "amx" or \
             not native.key_redundancy_supported(head_dim):  # type: ignore[attr-defined]
         return None
     layers, count, n_kv = k.shape[0], k.shape[1], k.shape[2] // head_dim
@@ -188,7 +200,19 @@ def key_redundancy(k: torch.Tensor, head_dim: int, threshold: float) -> torch.Te
     return out
 
 
-def window_scores_isa() -> str:
-    """``"amx"``, ``"generic"`` (the core's portable loop), or ``"torch"`` (no native core)."""
+def window_scores_isa(head_dim: int | None = None) -> str:
+    """The path of :func:`window_scores`' dot products here.
+
+    Args:
+        head_dim: Elements per head, or None for the fastest path this CPU runs (and the
+            isa forced by ``_native._set_window_scores_isa`` allows).
+
+    Returns:
+        ``"amx"``, ``"avx512"`` (AVX512-BF16), ``"generic"`` (the core's portable loop,
+        which :func:`window_scores` declines unless ``portable``), or ``"torch"`` (no
+        native core).
+    """
     native = _native()
-    return "torch" if native is None else native.window_scores_isa()  # type: ignore[attr-defined]
+    if native is None:
+        return "torch"
+    return native.window_scores_isa(head_dim)  # type: ignore[attr-defined]

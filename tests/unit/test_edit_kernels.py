@@ -2,8 +2,9 @@
 rope_gather.cpp, score_pool.cpp; lmcache_kv_fast/copy/edit_kernels.py).
 
 Every kernel is compared with the torch path of the same edit function on the same
-inputs — both AMX and the portable loop for the window scores — and fed bad spans,
-indices and arguments, which must raise before anything is written.
+inputs — each path of the window scores this CPU runs (AMX, AVX512-BF16, the portable
+loop) — and fed bad spans, indices and arguments, which must raise before anything is
+written.
 """
 
 from __future__ import annotations
@@ -19,12 +20,26 @@ from lmcache_kv_fast.copy import edit_kernels as ek
 from lmcache_kv_fast.edits._rerotate import gather_rerotated, rerotate
 from lmcache_kv_fast.edits._scores import _window_torch, pool
 
-ISAS = ["generic"] + (["amx"] if ek.window_scores_isa() == "amx" else [])
+ALL_ISAS = ("generic", "avx512", "amx")
+
+
+def _runnable(name: str) -> bool:
+    """Whether the core lets ``name`` be forced here (the CPU runs that path)."""
+    try:
+        _native._set_window_scores_isa(name)
+        return True
+    except ValueError:
+        return False
+    finally:
+        _native._set_window_scores_isa("auto")
+
+
+ISAS = [name for name in ALL_ISAS if _runnable(name)]
 
 
 @pytest.fixture(params=ISAS)
 def isa(request: pytest.FixtureRequest) -> Iterator[str]:
-    """Each window-scores path this machine runs (AMX only where the CPU has it)."""
+    """Each window-scores path this machine runs (AMX, AVX-512 where the CPU has them)."""
     _native._set_window_scores_isa(request.param)
     try:
         yield request.param
@@ -42,11 +57,13 @@ SCORE_CASES = [
     (2, 64, 2, 4, 64, 16, True),     # whole tiles
     (3, 37, 2, 3, 32, 5, True),      # ragged rows and keys
     (2, 100, 1, 2, 128, 7, False),   # queries after the KV: every key visible
-    (2, 50, 2, 2, 80, 9, True),      # head_dim AMX cannot take: the portable loop
+    (2, 50, 2, 2, 80, 9, True),      # head_dim AMX cannot take: AVX-512 or portable
     (1, 300, 4, 1, 96, 33, True),    # no GQA, three k steps, window past a tile
     (2, 16, 1, 8, 64, 16, True),     # window = the whole KV
     (1, 1, 1, 1, 64, 1, True),       # one token
-    (1, 200, 1, 2, 256, 4, True),    # head_dim 256: the portable loop
+    (1, 200, 1, 2, 256, 4, True),    # head_dim 256: AVX-512 or the portable loop
+    (1, 45, 2, 3, 6, 3, False),      # head_dim 6: AVX-512's pairs without a 32-dim tile
+    (1, 40, 1, 2, 7, 2, True),       # odd head_dim: the portable loop on every CPU
 ]
 
 
@@ -57,7 +74,7 @@ def test_window_scores_match_torch(case: tuple, isa: str) -> None:
     q = _bf16(layers, window + 3, n_kv * g * hd, seed=2)
     scale = hd ** -0.5
     ref = _window_torch(q, k, hd, window, at_end, scale, g)
-    got = ek.window_scores(q, k, hd, n_kv, window, at_end=at_end, scale=scale)
+    got = ek.window_scores(q, k, hd, n_kv, window, at_end=at_end, scale=scale, portable=True)
     assert got is not None and got.shape == ref.shape and got.dtype == torch.float32
     # each output sums `window` probabilities: float32 rounding of sums and exps only
     torch.testing.assert_close(got, ref, rtol=2e-6, atol=2e-7)
@@ -68,7 +85,7 @@ def test_window_scores_large_logits(isa: str) -> None:
     k = _bf16(1, 70, 64, seed=3) * 40
     q = _bf16(1, 8, 4 * 64, seed=4) * 40
     ref = _window_torch(q, k, 64, 8, True, 0.125, 4)
-    got = ek.window_scores(q, k, 64, 1, 8, at_end=True, scale=0.125)
+    got = ek.window_scores(q, k, 64, 1, 8, at_end=True, scale=0.125, portable=True)
     assert got is not None and torch.isfinite(got).all()
     torch.testing.assert_close(got, ref, rtol=1e-5, atol=1e-6)
     # each query head sums 8 softmax rows: 8 in total
@@ -104,9 +121,41 @@ def test_window_scores_rejects_bad_arguments(bad: dict) -> None:
 
 
 def test_window_scores_isa_names() -> None:
-    assert ek.window_scores_isa() in ("amx", "generic")
+    assert ek.window_scores_isa() == ISAS[-1]  # the fastest this CPU runs
+    assert ek.window_scores_isa(7) == "generic"  # odd head sizes: no fast path
     with pytest.raises(ValueError, match="isa must be"):
         _native._set_window_scores_isa("avx9")
+
+
+@pytest.mark.parametrize("name", ALL_ISAS)
+def test_forcing_window_scores_isa(name: str) -> None:
+    """A forced isa caps the path (AMX heads it cannot take go to AVX-512); one this CPU
+    cannot run is refused and leaves the setting alone."""
+    if name not in ISAS:
+        with pytest.raises(ValueError, match="cannot run"):
+            _native._set_window_scores_isa(name)
+        assert ek.window_scores_isa() == ISAS[-1]
+        return
+    _native._set_window_scores_isa(name)
+    try:
+        assert ek.window_scores_isa() == name
+        assert ek.window_scores_isa(64) == name
+        below = "avx512" if "avx512" in ISAS and name != "generic" else "generic"
+        assert ek.window_scores_isa(80) == below
+        assert ek.window_scores_isa(7) == "generic"
+    finally:
+        _native._set_window_scores_isa("auto")
+
+
+def test_window_scores_declines_the_portable_loop(isa: str) -> None:
+    """Without ``portable`` the edits get None (torch runs) where only the slow loop could
+    run this head size; a fast path runs."""
+    k, q = _bf16(1, 20, 64, seed=5), _bf16(1, 4, 128, seed=6)
+    got = ek.window_scores(q, k, 64, 1, 4, at_end=True, scale=0.1)
+    assert (got is None) == (isa == "generic")
+    k7, q7 = _bf16(1, 20, 7, seed=5), _bf16(1, 4, 14, seed=6)
+    assert ek.window_scores(q7, k7, 7, 1, 4, at_end=True, scale=0.1) is None
+    assert ek.window_scores(q7, k7, 7, 1, 4, at_end=True, scale=0.1, portable=True) is not None
 
 
 # ------------------------------------------------------------------ rope_gather
@@ -260,7 +309,7 @@ def test_key_redundancy_matches_torch(case: tuple, monkeypatch: pytest.MonkeyPat
     k[..., :hd] += 2 * torch.randn(1, 1, hd, generator=gen)  # near-duplicates in head 0
     k = k.to(torch.bfloat16)
     sums = ek.key_redundancy(k, hd, thr)
-    if ek.window_scores_isa() != "amx":
+    if not _native.key_redundancy_supported(hd):
         assert sums is None  # the torch code runs instead
         return
     assert sums is not None and sums.shape == (layers, n_kv, count)
@@ -271,9 +320,9 @@ def test_key_redundancy_matches_torch(case: tuple, monkeypatch: pytest.MonkeyPat
 def test_key_redundancy_declines_and_rejects() -> None:
     k = _bf16(1, 20, 128, seed=14)
     assert ek.key_redundancy(k.float(), 64, 0.5) is None
-    assert ek.key_redundancy(k, 48, 0.5) is None  # no AMX shape for it
+    assert ek.key_redundancy(k, 48, 0.5) is None  # not a whole number of heads
     assert ek.key_redundancy(k[:, ::2], 64, 0.5) is None
-    if ek.window_scores_isa() != "amx":
+    if not _native.key_redundancy_supported(64):
         return
     out = torch.full((1, 2, 20), 5.0)
     k_span, o_span = ek._span(k), ek._span(out)
@@ -282,7 +331,7 @@ def test_key_redundancy_declines_and_rejects() -> None:
     with pytest.raises(ValueError, match="key_redundancy: out needs bytes"):
         _native.key_redundancy(k_span, (o_span[0], o_span[1] - 4, 0), 1, 20, 2, 64, 0.5)
     with pytest.raises(ValueError, match="head_dim"):
-        _native.key_redundancy(k_span, o_span, 1, 20, 2, 48, 0.5)
+        _native.key_redundancy(k_span, o_span, 1, 20, 2, 33, 0.5)  # odd: no fast path
     assert bool((out == 5.0).all())
 
 
@@ -330,7 +379,7 @@ def test_kernels_from_many_threads_agree() -> None:
     rot = ek.Rotation(torch.rand(idx.numel(), 32), torch.rand(idx.numel(), 32), 64, 64, False)
 
     def run() -> tuple[torch.Tensor, ...]:
-        s = ek.window_scores(q, k, 64, 2, 24, at_end=True, scale=0.125)
+        s = ek.window_scores(q, k, 64, 2, 24, at_end=True, scale=0.125, portable=True)
         g = ek.gather_tokens(kv, idx, rot)
         assert s is not None and g is not None
         return s.clone(), g.clone()
