@@ -13,7 +13,9 @@ export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 ./scripts/compat-venvs.sh 0.5.7rc2
 export LMCACHE_TRACK_USAGE=false DO_NOT_TRACK=1 LMCACHE_DISABLE_BANNER=1 RAY_USAGE_STATS_ENABLED=0 \
   RAY_DATA_USAGE_DISABLED=1
-PYTEST=".venv/bin/python -m pytest"
+# two xdist workers: much of the suite waits on servers, engines and heartbeats; the shared
+# engines' tests run on one worker and the Ray cluster's on one (tests/conftest.py)
+PYTEST=".venv/bin/python -m pytest -n 2 --dist loadgroup"
 echo "[test] ruff"; .venv/bin/ruff check lmcache_kv_fast tests benches examples testbed
 echo "[test] native backend"
 $PYTEST -q -m "not compat" -p no:cacheprovider "$@"

@@ -64,10 +64,20 @@ ORACLE_FIXTURES = {"oracle", "oracle_model", "model_run"}
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Mark the oracle's tests; keep each shared heavy resource on one xdist worker.
+
+    Under ``pytest -n 2 --dist loadgroup`` (scripts/test.sh) the tests of the shared vLLM
+    engines run on one worker, in their order (one engine at a time on a 2-core box, the
+    engine stopper after its users), and so do those of the local Ray cluster.
+    """
     mark_engine_items(items)
     for item in items:
         if ORACLE_FIXTURES & set(getattr(item, "fixturenames", ())):
             item.add_marker(pytest.mark.oracle)
+        if item.get_closest_marker("engine") is not None or "engine" in item.path.parent.name:
+            item.add_marker(pytest.mark.xdist_group("engine"))
+        elif item.get_closest_marker("distributed") is not None:
+            item.add_marker(pytest.mark.xdist_group("ray"))
 
 
 @pytest.fixture(scope="session")
