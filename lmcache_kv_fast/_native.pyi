@@ -271,10 +271,10 @@ def key_redundancy(k: Span, out: Span, layers: int, tokens: int, n_kv: int, head
     """R-KV's redundancy sums: float32 ``out [L, n_kv, T]`` from bfloat16 ``k``.
 
     ``out[l][h][i]`` sums ``cos(k_i, k_j)`` over the head's other keys with a cosine
-    above ``threshold``. Fast paths only (:func:`key_redundancy_supported`).
+    above ``threshold``. AMX or AVX512-BF16 only (:func:`key_redundancy_supported`).
 
     Raises:
-        ValueError: No AMX or an unsupported head size, a span outside its buffer,
+        ValueError: No fast path for this head size (or forced isa), a span outside its buffer,
             ``out`` overlapping ``k`` (before any work).
     """
 

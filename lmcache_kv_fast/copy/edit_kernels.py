@@ -174,7 +174,7 @@ def key_scores(k: torch.Tensor, head_dim: int, method: str) -> torch.Tensor | No
 
 
 def key_redundancy(k: torch.Tensor, head_dim: int, threshold: float) -> torch.Tensor | None:
-    """R-KV's redundancy sums ``[L, Hkv, T]`` float32 (AMX only, for now); or None.
+    """R-KV's redundancy sums ``[L, Hkv, T]`` float32 (AMX or AVX512-BF16); or None.
 
     ``out[l, h, i]`` = the sum of ``cos(k_i, k_j)`` over the other keys ``j`` of head
     ``h`` whose cosine exceeds ``threshold``; the caller takes the mean and the softmax.
@@ -185,8 +185,9 @@ def key_redundancy(k: torch.Tensor, head_dim: int, threshold: float) -> torch.Te
         threshold: Cosines at or below it do not count.
 
     Returns:
-        The sums, or None when the core cannot run this call fast (no AMX, or an isa
-        forced below it; head size, dtype): it has no portable loop.
+        The sums, or None when the core cannot run this call fast (neither AMX nor
+        AVX512-BF16, or an isa forced below them; head size, dtype): it has no portable
+        loop.
     """
     native = _native()
     if native is None or k.dtype != torch.bfloat16 or k.dim() != 3 or not _dense(k) or \

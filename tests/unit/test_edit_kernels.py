@@ -288,6 +288,7 @@ def test_edits_keep_the_same_tokens_native_or_torch(method: str,
 
 
 # ------------------------------------------------------------------ key_redundancy
+# (its path follows the window scores' isa: the fixture forces each)
 def _torch_redundancy(k: torch.Tensor, hd: int, thr: float,
                       monkeypatch: pytest.MonkeyPatch) -> torch.Tensor:
     from lmcache_kv_fast.edits import _scores
@@ -300,7 +301,10 @@ def _torch_redundancy(k: torch.Tensor, hd: int, thr: float,
 @pytest.mark.parametrize("case", [(2, 37, 2, 64, 0.5), (3, 300, 2, 128, 0.1),
                                   (1, 17, 1, 32, -0.2), (2, 64, 4, 96, 0.3), (1, 1, 1, 64, 0.5)],
                          ids=lambda c: "x".join(map(str, c)))
-def test_key_redundancy_matches_torch(case: tuple, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_key_redundancy_matches_torch(case: tuple, isa: str,
+                                     monkeypatch: pytest.MonkeyPatch) -> None:
+    """AMX (every pair) and AVX-512 (the pairs above the diagonal, counted for both keys)
+    against torch's strips; no portable loop: with ``generic`` forced it declines."""
     from lmcache_kv_fast.edits._scores import redundancy
 
     layers, count, n_kv, hd, thr = case
@@ -309,7 +313,8 @@ def test_key_redundancy_matches_torch(case: tuple, monkeypatch: pytest.MonkeyPat
     k[..., :hd] += 2 * torch.randn(1, 1, hd, generator=gen)  # near-duplicates in head 0
     k = k.to(torch.bfloat16)
     sums = ek.key_redundancy(k, hd, thr)
-    if not _native.key_redundancy_supported(hd):
+    assert _native.key_redundancy_supported(hd) == (isa != "generic")
+    if isa == "generic":
         assert sums is None  # the torch code runs instead
         return
     assert sums is not None and sums.shape == (layers, n_kv, count)
