@@ -66,9 +66,11 @@ LMCKV_AVX512_TARGET inline void transpose16(__m512i r[16]) {
 template <int V>
 LMCKV_BF16_DOT_TARGET inline void dot_tile(const uint16_t* a, uint64_t hd, const uint32_t* b,
                                            uint64_t np, float* lg, uint64_t ld) {
-  __m512 acc[kRows][V];
-  for (auto& row : acc) {
-    for (auto& x : row) x = _mm512_setzero_ps();
+  __m512 acc[kRows][V];  // every loop over it unrolled: the accumulators stay in registers
+#pragma GCC unroll 8
+  for (uint64_t r = 0; r < kRows; ++r) {
+#pragma GCC unroll 4
+    for (int v = 0; v < V; ++v) acc[r][v] = _mm512_setzero_ps();
   }
   for (uint64_t p = 0; p < np; ++p) {
     __m512bh kv[V];
@@ -83,7 +85,9 @@ LMCKV_BF16_DOT_TARGET inline void dot_tile(const uint16_t* a, uint64_t hd, const
       for (int v = 0; v < V; ++v) acc[r][v] = _mm512_dpbf16_ps(acc[r][v], q, kv[v]);
     }
   }
+#pragma GCC unroll 8
   for (uint64_t r = 0; r < kRows; ++r) {
+#pragma GCC unroll 4
     for (int v = 0; v < V; ++v) _mm512_storeu_ps(lg + r * ld + v * kKeys, acc[r][v]);
   }
 }

@@ -322,6 +322,31 @@ def test_key_redundancy_matches_torch(case: tuple, isa: str,
     torch.testing.assert_close(redundancy(k, hd, thr), ref, rtol=2e-6, atol=1e-9)
 
 
+@pytest.mark.parametrize("case", [(2, 37, 2, 64, 0.5), (1, 400, 2, 80, 0.05),
+                                  (1, 77, 1, 6, 0.2), (1, 50, 2, 32, -0.3)],
+                         ids=lambda c: "x".join(map(str, c)))
+def test_key_redundancy_sums_match_float64(case: tuple, isa: str) -> None:
+    """The raw sums (before the softmax that flattens differences) against float64 math:
+    head sizes past the packing's 32-dim tiles (80, 6) and a negative threshold (the
+    pair with itself never counts)."""
+    layers, count, n_kv, hd, thr = case
+    gen = torch.Generator().manual_seed(count + hd)
+    k = torch.randn(layers, count, n_kv * hd, generator=gen)
+    k[..., :hd] += 2 * torch.randn(1, 1, hd, generator=gen)
+    k = k.to(torch.bfloat16)
+    sums = ek.key_redundancy(k, hd, thr)
+    if isa == "generic":
+        assert sums is None
+        return
+    kh = torch.nn.functional.normalize(
+        k.double().view(layers, count, n_kv, hd).transpose(1, 2), dim=-1)
+    sim = kh @ kh.transpose(-1, -2)
+    sim.diagonal(dim1=-2, dim2=-1).zero_()
+    ref = torch.where(sim > thr, sim, torch.zeros(())).sum(-1)
+    assert sums is not None
+    torch.testing.assert_close(sums.double(), ref, rtol=1e-5, atol=1e-5)
+
+
 def test_key_redundancy_declines_and_rejects() -> None:
     k = _bf16(1, 20, 128, seed=14)
     assert ek.key_redundancy(k.float(), 64, 0.5) is None
