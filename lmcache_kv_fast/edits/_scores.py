@@ -189,9 +189,9 @@ def redundancy(k: torch.Tensor, head_dim: int, threshold: float) -> torch.Tensor
     similarity is symmetric: it is computed in strips of :data:`_RED_BLOCK` rows against
     the keys from the strip on (half the products of the full ``[T, T]`` matrix), each
     strip adding its row sums to its own keys and its column sums to the later ones; no
-    ``[H, T, T]`` matrix is ever held. Where the core has AMX, the sums come from
-    :func:`~lmcache_kv_fast.copy.edit_kernels.key_redundancy` (the same values to float32
-    rounding).
+    ``[H, T, T]`` matrix is ever held. Where the core has AMX or AVX-512 BF16, the sums
+    come from :func:`~lmcache_kv_fast.copy.edit_kernels.key_redundancy` (the same values
+    to float32 rounding).
     """
     layers, count = k.shape[0], k.shape[1]
     native = edit_kernels.key_redundancy(k, head_dim, threshold)
