@@ -22,7 +22,6 @@ import argparse
 import os
 import statistics
 import sys
-import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -34,6 +33,7 @@ try:
 except ImportError:  # running from a checkout without an install
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from benches.bench_copy import run_round_robin
 from lmcache_kv_fast import _native, edits
 from lmcache_kv_fast.copy import native_backend as nb
 from lmcache_kv_fast.copy.base import ChunkGeometry, Region
@@ -86,22 +86,6 @@ class Geometry:
         """The CPU engine whose in-block order is ``kernel``."""
         return CpuEngineKV(self.layers, self.heads, self.head_dim, self.dtype,
                            self.block_size, kernel)
-
-
-def run_round_robin(cases: list[Case], reps: int, warmup: int) -> None:
-    """Each case ``warmup`` times, then ``reps`` rounds of every case in turn."""
-    for c in cases:
-        for _ in range(warmup):
-            c.setup()
-            c.run()
-            c.after()
-    for _ in range(reps):
-        for c in cases:
-            c.setup()
-            t0 = time.perf_counter()
-            c.run()
-            c.times.append(time.perf_counter() - t0)
-            c.after()
 
 
 def has_isa_switch() -> bool:
