@@ -6,11 +6,24 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 # benches/ and testbed/ (the checkout's, not the wheel's) import from the checkout root
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
+# The three venvs are independent: the engine's and 0.5.7rc2's are built in the background
+# while .venv is set up (mostly downloads and unpacking; ~3 min saved on a fresh machine).
+#   .venv-engine: the vLLM CPU engine for tests/engine (cached after the first run)
+#   .venv-compat/0.5.7rc2: its compat-matrix rows run in the native pass, its server in the last
+logs=$(mktemp -d)
+trap 'kill $(jobs -p) 2>/dev/null || true; rm -rf "$logs"' EXIT
+./scripts/engine-venv.sh >"$logs/engine-venv" 2>&1 & engine_pid=$!
+./scripts/compat-venvs.sh 0.5.7rc2 >"$logs/compat-venvs" 2>&1 & compat_pid=$!
 ./scripts/setup.sh
-./scripts/engine-venv.sh  # vLLM CPU engine venv for tests/engine (cached after the first run)
-# 0.5.7rc2 server venv (.venv-compat/0.5.7rc2; ~1 min the first time, cached afterwards):
-# its compat-matrix rows run in the native pass, its server in the last pass
-./scripts/compat-venvs.sh 0.5.7rc2
+# wait_setup PID NAME: what the background script printed, and its failure stops the run
+wait_setup() {
+  local rc=0
+  wait "$1" || rc=$?
+  cat "$logs/$2"
+  if [ "$rc" -ne 0 ]; then echo "[test] scripts/$2.sh failed (exit $rc)" >&2; exit "$rc"; fi
+}
+wait_setup "$engine_pid" engine-venv
+wait_setup "$compat_pid" compat-venvs
 export LMCACHE_TRACK_USAGE=false DO_NOT_TRACK=1 LMCACHE_DISABLE_BANNER=1 RAY_USAGE_STATS_ENABLED=0 \
   RAY_DATA_USAGE_DISABLED=1
 # two xdist workers: much of the suite waits on servers, engines and heartbeats; the shared

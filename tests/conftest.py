@@ -63,12 +63,15 @@ def pytest_configure(config: pytest.Config) -> None:
 ORACLE_FIXTURES = {"oracle", "oracle_model", "model_run"}
 
 
+@pytest.hookimpl(tryfirst=True)
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     """Mark the oracle's tests; keep each shared heavy resource on one xdist worker.
 
     Under ``pytest -n 2 --dist loadgroup`` (scripts/test.sh) the tests of the shared vLLM
     engines run on one worker, in their order (one engine at a time on a 2-core box, the
-    engine stopper after its users), and so do those of the local Ray cluster.
+    engine stopper after its users), and so do those of the local Ray cluster. First
+    (``tryfirst``): xdist's own hook turns the ``xdist_group`` marks into node ids, so a
+    mark added after it is ignored (:func:`xdist_groups_hold` checks).
     """
     mark_engine_items(items)
     for item in items:
@@ -78,6 +81,23 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
             item.add_marker(pytest.mark.xdist_group("engine"))
         elif item.get_closest_marker("distributed") is not None:
             item.add_marker(pytest.mark.xdist_group("ray"))
+
+
+@pytest.fixture(scope="session", autouse=True)
+def xdist_groups_hold(request: pytest.FixtureRequest) -> None:
+    """Under ``--dist loadgroup``, every grouped test carries its group in its node id.
+
+    pytest 9.2 keeps node ids where xdist 3.8 cannot append the group (pytest-xdist#1386):
+    the groups are then silently ignored and two workers start engines side by side.
+    """
+    if not getattr(request.config.option, "loadgroup", False):  # an xdist worker's option
+        return
+    for item in request.session.items:
+        for mark in item.iter_markers("xdist_group"):
+            if not item.nodeid.endswith("@" + mark.args[0]):
+                raise pytest.UsageError(
+                    f"{item.nodeid}: its xdist_group {mark.args[0]!r} is not in its node id, "
+                    "so --dist loadgroup ignores it (pytest-xdist#1386: use pytest < 9.2)")
 
 
 @pytest.fixture(scope="session")
