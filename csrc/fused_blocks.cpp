@@ -231,7 +231,8 @@ void FusedBlocksPlan::append_cell(std::vector<Seg>& segs, int64_t r) {
   }
 }
 
-// Each plane's dim_off as maximal runs of consecutive offsets, and its token lanes.
+// Each plane's dim_off as maximal runs of consecutive offsets, its token lanes, and its
+// token rows when a token's dims are one run.
 void FusedBlocksPlan::plan_copies() {
   const uint64_t bs = a_.block_size, hs = a_.head_size;
   for (int p = 0; p < 2; ++p) {
@@ -249,6 +250,7 @@ void FusedBlocksPlan::plan_copies() {
     }
     plan_tiles(p);
     plan_lanes(p);
+    if (c.segs.size() == 1) rows_[p] = TokenRows(tok, off, bs, hs, a_.width, a_.itemsize);
   }
 }
 
@@ -394,8 +396,9 @@ void FusedBlocksPlan::copy_tokens(int p, char* d, const SrcToken* from, uint64_t
 
 // One destination block (d: its first byte; token tb from `s.from[tb]`, output token
 // t0 + tb), plane by plane: by lane groups where the plane has them (fused_tiles.hpp;
-// `stream`: they may use non-temporal stores), every other token by copy_tokens, or
-// rotate_tokens for a rotated K.
+// `stream`: they may use non-temporal stores), by token rows where the plane has those
+// (fused_vrows.hpp, likewise), every other token by copy_tokens, or rotate_tokens for a
+// rotated K.
 void FusedBlocksPlan::copy_block(char* d, Scratch& s, uint64_t t0, bool stream) const {
   const uint64_t bs = a_.block_size;
   const SrcToken* from = s.from.data();
@@ -404,6 +407,8 @@ void FusedBlocksPlan::copy_block(char* d, Scratch& s, uint64_t t0, bool stream) 
     if (!lanes_[p].enabled() || (rotated && !lanes_[p].rotates())) {
       if (rotated) {
         rotate_tokens(d, s, t0, 0, bs);
+      } else if (rows_[p].enabled()) {
+        rows_[p].copy(d, from, 0, bs, stream);
       } else {
         copy_tokens(p, d, from, 0, bs);
       }
@@ -420,6 +425,8 @@ void FusedBlocksPlan::copy_block(char* d, Scratch& s, uint64_t t0, bool stream) 
     for (const TokenRange& r : s.rest) {
       if (rotated) {
         rotate_tokens(d, s, t0, r.first, r.last);
+      } else if (rows_[p].enabled()) {
+        rows_[p].copy(d, from, r.first, r.last, stream);
       } else {
         copy_tokens(p, d, from, r.first, r.last);
       }

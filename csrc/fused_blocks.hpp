@@ -24,8 +24,10 @@
 // mapped regions' owners (native.cpp). A plane whose tokens are consecutive elements (K of
 // vec / vec16) moves by AVX-512 lane groups where they fit (fused_tiles.hpp; a rotated K
 // turned pair of rows by pair of rows), streaming whole cache lines into warm destinations
-// when a copy of the call's size would stream (copy_kernels.hpp); every other token as
-// before.
+// when a copy of the call's size would stream (copy_kernels.hpp); a plane whose token is
+// one run of HS elements per head (V of vec / vec16) by whole raw rows where source and
+// destination groups match, else token by token with 64-byte moves (fused_vrows.hpp);
+// every other token as before.
 #pragma once
 
 #include <cstdint>
@@ -33,6 +35,7 @@
 
 #include "fused_chunks.hpp"
 #include "fused_tiles.hpp"
+#include "fused_vrows.hpp"
 #include "rope_rotate.hpp"
 
 namespace lmckv {
@@ -108,6 +111,7 @@ class FusedBlocksPlan {
   FusedChunks io_;  // validated regions, ids, index and tables
   PlaneCopy copy_[2];
   LaneGroups lanes_[2];       // a plane's lane groups (fused_tiles.hpp), when it has lanes
+  TokenRows rows_[2];         // a plane of one run per token and head (fused_vrows.hpp)
   std::vector<char> cold_;    // destination j's pages are mostly not in memory yet
   RowGeom geom_{};            // one head of K, for the rotation
   RotateFn rotate_ = nullptr;  // nullptr: no rotation
