@@ -41,7 +41,9 @@ def token_index(kind: str, rows: int, block_size: int = 0, seed: int = 0) -> tor
     ``block`` the second engine block of ``block_size`` rows dropped; ``stride2`` every
     other row; ``reverse`` all rows backwards; ``scatter`` a random permutation;
     ``span64`` / ``span65`` each 32 outputs rows ``b .. b+30`` and ``b+63`` / ``b+64``
-    (fused_blocks' lane windows: exactly 64 rows wide, one row too wide).
+    (fused_blocks' lane windows: exactly 64 rows wide, one row too wide); ``shift1`` every
+    row from 1 on (odd shifts only); ``runs`` runs of 1 to 12 consecutive rows from random
+    starts, odd and even (fused_blocks' token rows: pairs matching or not).
     """
     gen = torch.Generator().manual_seed(seed)
     if kind == "drop10":
@@ -67,6 +69,14 @@ def token_index(kind: str, rows: int, block_size: int = 0, seed: int = 0) -> tor
     elif kind in ("span64", "span65"):
         last = 63 if kind == "span64" else 64
         idx = [t for b in range(0, rows - last, last + 1) for t in [*range(b, b + 31), b + last]]
+    elif kind == "shift1":
+        idx = list(range(1, rows))
+    elif kind == "runs":
+        idx = []
+        while len(idx) < rows * 3 // 4:
+            n = int(torch.randint(1, 13, (1,), generator=gen))
+            first = int(torch.randint(0, rows - n + 1, (1,), generator=gen))
+            idx += range(first, first + n)
     else:
         raise AssertionError(f"unknown index kind {kind!r}")
     return torch.tensor(idx, dtype=torch.int64)

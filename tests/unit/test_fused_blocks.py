@@ -5,8 +5,10 @@ against the torch backend's reference (to_tokens -> fused_rows -> to_raw) and ag
 independent plain-torch path (to_tokens, cat, index_select, ``edits.rerotate``, to_raw),
 bit for bit, for the vec / vec16 / amx orders, drops across chunk and block boundaries,
 destination subsets, neox / interleaved / partial rotations, bfloat16, float16 and float32,
-each with K's AVX-512 lane groups (csrc/fused_tiles.cpp) on and forced off; lane windows
-at their edges (64 tokens wide, ending on a block's last token, next to a guard page);
+each with K's AVX-512 lane groups (csrc/fused_tiles.cpp) and V's token rows
+(csrc/fused_vrows.cpp) on and forced off, with cached and streaming stores; lane windows
+at their edges (64 tokens wide, ending on a block's last token, next to a guard page), V's
+rows and tokens ending on their objects' last element (next to a guard page);
 every refused call (Python and core checks) leaves the destinations untouched; shm
 regions, cold pages on a full file system, pool splits. No server needed.
 """
@@ -151,6 +153,26 @@ LANE_CASES = {
                                       dtype=torch.float16, index="pairs"),
 }
 
+# V of vec / vec16 (one run of HS elements per token and head): whole raw rows where
+# aligned pairs of both sides match (odd / even shifts, runs across blocks and chunks),
+# else token by token: 128-byte runs (W6), 256 (float32), 64, 32 and 96 (masked tails).
+VROW_CASES = {
+    "w6-shift1": dataclasses.replace(W6, index="shift1"),
+    "w6-runs": dataclasses.replace(W6, index="runs", n_src=4),
+    "w6-runs-f32": dataclasses.replace(W6, index="runs", dtype=torch.float32),
+    "w6-pairs-f16": dataclasses.replace(W6, index="pairs", dtype=torch.float16),
+    "w6-same-subset": dataclasses.replace(W6, index="same", subset=True, n_src=4),
+    "w6-runs-neox": dataclasses.replace(W6, index="runs", rope="default"),
+    "vec-bs16-hs64-runs": Case(head_dim=64, block_size=16, blocks=4, heads=3, index="runs"),
+    "vec-bs32-hs32-shift1-f32": Case(block_size=32, blocks=2, dtype=torch.float32,
+                                     index="shift1"),
+    "vec16-hs16-bs32-runs-f32": Case(kernel="vec16", head_dim=16, block_size=32,
+                                     dtype=torch.float32, index="runs"),
+    "vec16-hs16-bs32-shift1": Case(kernel="vec16", head_dim=16, block_size=32, index="shift1"),
+    "vec16-hs48-bs96-runs-f16": Case(kernel="vec16", head_dim=48, block_size=96,
+                                     dtype=torch.float16, index="runs"),
+}
+
 
 # ------------------------------------------------------------------ block_offsets
 def _arange_bits(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
@@ -253,6 +275,32 @@ def test_native_equals_torch_reference_and_plain_torch(name: str, isa: str) -> N
 @pytest.mark.parametrize("name", list(LANE_CASES))
 def test_lane_groups_equal_torch_reference_and_plain_torch(name: str, isa: str) -> None:
     """K's rows of consecutive tokens (vec / vec16), every edge of the lane windows."""
+    _check_against_references(LANE_CASES[name])
+
+
+@pytest.fixture(params=[False, True], ids=["cached", "stream"])
+def stores(request: pytest.FixtureRequest) -> Iterator[bool]:
+    """Every test using it with cached stores, and with streaming ones (threshold 0)."""
+    before = _native.get_stream_threshold()
+    if request.param:
+        _native.set_stream_threshold(0)
+    try:
+        yield request.param
+    finally:
+        _native.set_stream_threshold(before)
+
+
+@pytest.mark.parametrize("name", list(VROW_CASES))
+def test_token_rows_equal_torch_reference_and_plain_torch(name: str, isa: str,
+                                                          stores: bool) -> None:
+    """V's runs per token (vec / vec16): whole rows where pairs match, else token by token."""
+    _check_against_references(VROW_CASES[name])
+
+
+@pytest.mark.parametrize("name", ["w6-drop10", "w6-span65-f16", "w6-drop10-neox",
+                                  "w6-span64-f32"])
+def test_lane_groups_stream_as_they_copy(name: str, isa: str, stores: bool) -> None:
+    """K's lane groups (and V's rows) with streaming stores, as big calls make them."""
     _check_against_references(LANE_CASES[name])
 
 
@@ -359,13 +407,35 @@ def test_lane_windows_read_nothing_past_their_source_objects(dtype: torch.dtype,
     last K row's last token is its source object's last element, right before a
     PROT_NONE page; reading a window's whole registers there would fault.
     """
-    hs, layers, n_src = 64, 2, 3
-    tables = CpuEngineKV(layers, 1, hs, dtype, bs, "vec").block_offsets()
+    _guarded_call("vec", dtype, bs, 64, kind, k_last=True)
+
+
+@pytest.mark.parametrize("kernel,dtype,bs,hs,kind", [
+    ("vec", torch.bfloat16, 128, 64, "drop10"), ("vec", torch.bfloat16, 128, 64, "same"),
+    ("vec", torch.float32, 64, 64, "shift1"), ("vec16", torch.float16, 96, 48, "runs"),
+    ("vec16", torch.bfloat16, 32, 16, "shift1"), ("vec16", torch.float32, 32, 16, "runs")])
+def test_token_rows_read_nothing_past_their_source_objects(kernel: str, dtype: torch.dtype,
+                                                           bs: int, hs: int, kind: str,
+                                                           isa: str, stores: bool) -> None:
+    """V's rows and token runs (masked tails too) stop at their objects' last element.
+
+    In an engine's blocks V's rows come last, so the last V row of a one-block chunk ends
+    its object, right before a PROT_NONE page.
+    """
+    _guarded_call(kernel, dtype, bs, hs, kind, k_last=False)
+
+
+def _guarded_call(kernel: str, dtype: torch.dtype, bs: int, hs: int, kind: str, *,
+                  k_last: bool) -> None:
+    """One-head, one-block chunks in guarded source regions, checked against the tables."""
+    layers, n_src = 2, 3
+    tables = CpuEngineKV(layers, 1, hs, dtype, bs, kernel).block_offsets()
     assert tables is not None
     tok, dim = tables
-    v_first = int(tok[1].min())  # V's first element: after K's rows in an engine's blocks
-    dim[0] += v_first
-    tok[1] -= v_first
+    if k_last:
+        v_first = int(tok[1].min())  # V's first element: after K's rows in an engine's blocks
+        dim[0] += v_first
+        tok[1] -= v_first
     geom = ChunkGeometry(1, layers, bs, 2 * hs, dtype.itemsize)  # a chunk is one block
     nbytes = geom.chunk_nbytes
     srcs = [(torch.randn(geom.object_shape()) * 3).to(dtype) for _ in range(n_src)]
