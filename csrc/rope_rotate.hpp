@@ -4,10 +4,11 @@
 // In every head of `head_dim`, each rotary pair (neox: dims i, i + rotary/2; interleaved:
 // 2i, 2i + 1) becomes (x1 c - x2 s, x2 c + x1 s) with c, s = cos[i], sin[i] (float32
 // tables of rotary/2); dims past `rotary` are copied. float32 math, rounded back to the
-// element type (bfloat16: to nearest even) in the order torch's `mul` + `addcmul_` round
-// them (x1 c rounded, then x2 s fused in: fma(-x2, s, x1 c)). rope_rotate.cpp is built
-// with -ffp-contract=off (CMakeLists.txt) so no other operation fuses: the bytes are those
-// of `edits.rerotate`'s torch code, bit for bit.
+// element type in the order torch's `mul` + `addcmul_` round them (x1 c rounded, then x2 s
+// fused in: fma(-x2, s, x1 c)); bfloat16 as f32_to_bf16: to nearest even, denormals kept
+// (as torch), a NaN quieted with its sign and payload (torch writes 0xffff).
+// rope_rotate.cpp is built with -ffp-contract=off (CMakeLists.txt) so no other operation
+// fuses: the bytes are those of `edits.rerotate`'s torch code, bit for bit (NaNs aside).
 #pragma once
 
 #include <cstdint>
