@@ -1,8 +1,9 @@
 """What the fused kernels' tests share (test_fused_rows.py, test_fused_blocks.py).
 
 Token indices of every shape the kernels must take, the K rotation for an index, the
-output chunks a call writes, destinations filled with a sentinel byte, and regions between
-guard pages.
+output chunks a call writes, destinations filled with a sentinel byte, regions between
+guard pages, and sources and tables whose rotations round every way (ties, denormals,
+overflows) with a bit-for-bit check against torch that lets NaN payloads differ.
 """
 
 from __future__ import annotations
@@ -89,6 +90,75 @@ def rotation_for(rope: edits.RoPE | None, idx: torch.Tensor) -> Rotation | None:
     cos, sin = _cos_sin(torch.arange(idx.numel(), dtype=torch.int64) - idx, rope)
     return Rotation(cos[:, 0].contiguous(), sin[:, 0].contiguous(), rope.head_dim,
                     rope.rotary_dim, rope.interleaved)
+
+
+#: bfloat16 sources whose rotations round every way: short values (times a cos of
+#: 1 + k 2^-8: ties to even), bfloat16 denormals (the smallest one too), the smallest
+#: normal and values near it (products land in the denormal range or round up across its
+#: top), +-0, values that overflow to infinity, and (rarely: they spread through their
+#: pair) infinities and NaNs (a signaling one and one with sign and payload: NAN_BITS).
+EDGE_VALUES = [1.0, 1 + 2**-7, -1 - 2**-7, 1.5, 1e-39, -3e-40, 2**-133, 2**-126, -2**-126,
+               3e-38, -2.5e-38, 0.0, -0.0, 3.38e38, -3e38]
+EDGE_RARE = [float("inf"), -float("inf"), float("nan")]
+NAN_BITS = {torch.bfloat16: (torch.int16, [0x7f81, 0xffc5 - (1 << 16)]),
+            torch.float32: (torch.int32, [0x7f800001, 0xffc00005 - (1 << 32)])}
+#: cos / sin entries for EDGE_VALUES: ties (1 + k 2^-8), shrinking factors (normal
+#: products below 2^-126, and 2^-126 (1 - 2^-9) rounding back up to it), a float32
+#: denormal, a tiny sin (denormal products), plain ones.
+EDGE_COS = [1 + 2**-8, 1 + 2**-7, 1 + 3 * 2**-8, 0.5, 1 - 2**-9, 0.75, 2**-10, 1e-40]
+EDGE_SIN = [0.0, -0.0, 2**-9, 1e-38, 0.5, -0.25, 1e-40]
+
+
+def _big(values: list[float]) -> list[float]:
+    """The entries no rotation of them brings near the denormal range (0 or >= 2^-10)."""
+    return [v for v in values if v == 0 or abs(v) >= 2**-10]
+
+
+def edge_values(shape: tuple[int, ...], dtype: torch.dtype, seed: int,
+                tiny: bool = True) -> torch.Tensor:
+    """A ``shape`` tensor of :data:`EDGE_VALUES` (without the tiny ones unless ``tiny``),
+    one in 200 of :data:`EDGE_RARE` or :data:`NAN_BITS`; bfloat16 or float32."""
+    gen = torch.Generator().manual_seed(seed)
+    common = EDGE_VALUES if tiny else _big(EDGE_VALUES)
+    n_rare = len(EDGE_RARE) + 2
+    pick = torch.randint(0, len(common), shape, generator=gen)
+    rare = torch.randint(0, 200, shape, generator=gen) == 0
+    pick[rare] = len(common) + torch.randint(0, n_rare, shape, generator=gen)[rare]
+    out = torch.tensor(common + EDGE_RARE + [0.0, 0.0])[pick].to(dtype)
+    itype, nans = NAN_BITS[dtype]
+    for k, bits in enumerate(nans):
+        out.view(itype)[pick == len(common) + len(EDGE_RARE) + k] = bits
+    return out
+
+
+def edge_rotation(n: int, head_dim: int, rotary_dim: int, interleaved: bool, seed: int,
+                  tiny: bool = True) -> Rotation:
+    """A rotation of ``n`` rows whose tables draw from :data:`EDGE_COS`, :data:`EDGE_SIN`
+    (without the tiny entries unless ``tiny``)."""
+    gen = torch.Generator().manual_seed(seed)
+    half = rotary_dim // 2
+    cs, sn = (EDGE_COS, EDGE_SIN) if tiny else (_big(EDGE_COS), _big(EDGE_SIN))
+    cos = torch.tensor(cs)[torch.randint(0, len(cs), (n, half), generator=gen)]
+    sin = torch.tensor(sn)[torch.randint(0, len(sn), (n, half), generator=gen)]
+    return Rotation(cos, sin, head_dim, rotary_dim, interleaved)
+
+
+def assert_bits_as_torch(got: torch.Tensor, want: torch.Tensor, what: str) -> None:
+    """``got`` holds ``want``'s bytes, but for NaNs: NaN where ``want`` is, any payload.
+
+    torch writes every NaN as 0xffff (bfloat16); the kernels keep the NaN's sign and
+    payload, quieted. Floating tensors of one dtype.
+    """
+    assert got.dtype == want.dtype and got.shape == want.shape, what
+    nan = torch.isnan(want)
+    assert torch.equal(torch.isnan(got), nan), f"{what}: NaNs at other places"
+    g, w = got.contiguous(), want.contiguous()
+    g = g.masked_fill(nan, 0).reshape(-1).view(torch.uint8)
+    w = w.masked_fill(nan, 0).reshape(-1).view(torch.uint8)
+    if not torch.equal(g, w):
+        bad = int((g != w).nonzero()[0, 0]) // got.element_size()
+        raise AssertionError(f"{what}: element {bad}: {got.reshape(-1)[bad].item()!r} "
+                             f"!= {want.reshape(-1)[bad].item()!r}")
 
 
 def case_index(case: Any, seed: int = 0) -> torch.Tensor:

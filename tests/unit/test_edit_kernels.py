@@ -14,9 +14,11 @@ from collections.abc import Iterator
 
 import pytest
 import torch
+from fused_support import assert_bits_as_torch, edge_rotation, edge_values
 
 from lmcache_kv_fast import _native, edits
 from lmcache_kv_fast.copy import edit_kernels as ek
+from lmcache_kv_fast.copy.rotate_pairs import rotate_pairs
 from lmcache_kv_fast.edits._rerotate import gather_rerotated, rerotate
 from lmcache_kv_fast.edits._scores import _window_torch, pool
 
@@ -193,6 +195,28 @@ def test_gather_rerotated_matches_torch(dtype: torch.dtype, rope_name: str,
         tail = got[0].view(3, -1, 4, 64)[..., rope.rotary_dim:]
         assert torch.equal(tail, ref[0].view(3, -1, 4, 64)[..., rope.rotary_dim:])
     assert torch.equal(got, ref)  # torch's order of float32 operations: bit for bit
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("rotary", [64, 32])
+@pytest.mark.parametrize("interleaved", [False, True])
+def test_gather_rotation_rounds_as_torch(dtype: torch.dtype, rotary: int,
+                                         interleaved: bool) -> None:
+    """rope_gather rounds as torch: ties to even, denormal inputs and results kept (the
+    BF16 instructions would flush them), the denormal range's top rounding up to the
+    smallest normal, +-0, overflows to infinity, infinities and NaNs (payloads aside)."""
+    kv = edge_values((2, 3, 200, 4 * 64), dtype, seed=4)
+    idx = torch.tensor(sorted(set(range(0, 200, 3)) | {199, 1, 2}), dtype=torch.int64)
+    rot = edge_rotation(idx.numel(), 64, rotary, interleaved, seed=6)
+    got = ek.gather_tokens(kv, idx, rot)
+    ref = kv.index_select(2, idx)
+    k = ref[0].view(3, idx.numel(), 4, 64)
+    x1, x2 = (k[..., 0:rotary:2], k[..., 1:rotary:2]) if interleaved else \
+        (k[..., :rotary // 2], k[..., rotary // 2:rotary])
+    rotate_pairs(x1, x2, rot.cos[:, None, :], rot.sin[:, None, :])
+    assert got is not None
+    assert_bits_as_torch(got, ref, "rope_gather")
+    assert bool(((ref != 0) & (ref.float().abs() < 2**-126)).any()), "no denormal tested"
 
 
 def test_plain_gather_is_index_select() -> None:

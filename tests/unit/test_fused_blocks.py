@@ -26,10 +26,13 @@ import torch
 from fused_support import (
     SENTINEL,
     Slot,
+    assert_bits_as_torch,
     assert_refused,
     case_blank,
     case_chunk_ids,
     case_index,
+    edge_rotation,
+    edge_values,
     guarded_regions,
     pool_for_every_call,
     rotation_for,
@@ -456,34 +459,62 @@ def _guarded_call(kernel: str, dtype: torch.dtype, bs: int, hs: int, kind: str, 
         assert torch.equal(_raw_bits(got.view(dtype)), want)
 
 
-@pytest.mark.skipif("avx512" not in ISAS, reason="no AVX-512BW: no lane groups")
-def test_lane_rotation_rounds_as_torch() -> None:
-    """Rotated lane groups: ties to even, denormals and overflows as torch.
+#: The rounding test's layouts: K's lane groups (W6: neox, partial, interleaved, float32)
+#: and the token path's rows (amx; W6 with the lane groups forced off).
+EDGE_CASES = {
+    "w6-neox": dataclasses.replace(W6, rope="default"),
+    "w6-keep-partial": dataclasses.replace(W6, index="keep", rope="partial"),
+    "w6-shift-interleaved": dataclasses.replace(W6, index="shift", rope="default",
+                                                interleaved=True),
+    "w6-neox-f32": dataclasses.replace(W6, rope="default", dtype=torch.float32),
+    "amx-hs64-neox": Case(kernel="amx", head_dim=64, block_size=32, rope="default"),
+    "vec16-hs32-partial": Case(kernel="vec16", head_dim=32, rope="partial", index="keep"),
+}
 
-    Sources of a few short bfloat16 values and tables cos = 1 + k * 2^-8 make the products'
-    halves ties; tiny values go through unflushed, the largest round up to infinity. (The
-    token path's AVX-512 BF16 row kernel flushes denormal results: not compared here; NaNs
-    keep their payload, torch's do not.)
-    """
-    case = dataclasses.replace(W6, rope="default")
-    gen = torch.Generator().manual_seed(3)
-    values = torch.tensor([1.0, 1 + 2**-7, -1 - 2**-7, 1.5, 1e-39, -3e-40, 3.38e38, -3e38])
-    srcs = [values[torch.randint(0, len(values), case.geom.object_shape(), generator=gen)]
-            .to(case.dtype) for _ in range(case.n_src)]
-    idx = case_index(case)
-    half = case.head_dim // 2
-    cos = 1 + torch.randint(1, 4, (idx.numel(), half), generator=gen).float() * 2**-8
-    sin = torch.tensor([0.0, 2**-9, 1e-38])[torch.randint(0, 3, (idx.numel(), half),
-                                                           generator=gen)]
-    rotation = Rotation(cos, sin, case.head_dim, case.head_dim, False)
+
+def _edge_run(case: Case, tiny: bool = True) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    """fused_blocks on :func:`edge_values` sources and tables: (native, torch reference)."""
+    shape = case.geom.object_shape()
+    srcs = [edge_values(shape, case.dtype, seed, tiny) for seed in range(case.n_src)]
+    idx, rope = case_index(case), _rope(case)
+    rotation = edge_rotation(idx.numel(), rope.head_dim, rope.rotary_dim, case.interleaved, 5,
+                             tiny)
     ids = case_chunk_ids(case, idx.numel())
-    _native._set_fused_blocks_isa("avx512")
-    try:
-        got = _run(nb, case, srcs, idx, ids, rotation)
-    finally:
-        _native._set_fused_blocks_isa("auto")
-    ref = _run(tb, case, srcs, idx, ids, rotation)
-    assert all(torch.equal(_bits(g), _bits(r)) for g, r in zip(got, ref, strict=True))
+    return _run(nb, case, srcs, idx, ids, rotation), _run(tb, case, srcs, idx, ids, rotation)
+
+
+@pytest.mark.parametrize("name", list(EDGE_CASES))
+def test_rotation_rounds_as_torch(name: str, isa: str) -> None:
+    """K's rotation (lane groups, token rows) rounds as torch: ties to even, denormal inputs
+    and results kept (the BF16 instructions would flush them), the denormal range's top
+    rounding up to the smallest normal, +-0, overflows to infinity, infinities and NaNs
+    (payloads aside)."""
+    got, ref = _edge_run(EDGE_CASES[name])
+    for i, (g, r) in enumerate(zip(got, ref, strict=True)):
+        assert_bits_as_torch(g, r, f"output chunk {i}")
+    k = torch.stack(ref).float()
+    assert bool(((k != 0) & (k.abs() < 2**-126)).any()), "no denormal result was tested"
+
+
+@pytest.mark.skipif("avx512" not in ISAS, reason="no AVX-512BW: no lane groups")
+@pytest.mark.parametrize("tiny", [True, False], ids=["tiny", "no-tiny"])
+@pytest.mark.parametrize("name", list(EDGE_CASES))
+def test_lane_and_token_paths_write_the_same_bytes(name: str, tiny: bool) -> None:
+    """Lane groups and the forced-portable path agree byte for byte, NaN payloads too, with
+    and without denormals about (the token path's row kernel rounds vectors holding one
+    on the bits, the others with vcvtneps2bf16)."""
+    runs = []
+    for isa in ("avx512", "generic"):
+        _native._set_fused_blocks_isa(isa)
+        try:
+            runs.append(_edge_run(EDGE_CASES[name], tiny)[0])
+        finally:
+            _native._set_fused_blocks_isa("auto")
+    assert all(torch.equal(_bits(a), _bits(b)) for a, b in zip(*runs, strict=True))
+    if not tiny:
+        k = torch.stack(runs[0]).float()
+        assert not bool(((k != 0) & (k.abs() < 2**-126)).any())
+        assert bool(k.isnan().any())
 
 
 def test_isa_switch() -> None:

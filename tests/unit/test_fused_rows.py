@@ -20,10 +20,13 @@ from conftest import run_threads
 from fused_support import (
     SENTINEL,
     Slot,
+    assert_bits_as_torch,
     assert_refused,
     case_blank,
     case_chunk_ids,
     case_index,
+    edge_rotation,
+    edge_values,
     pool_for_every_call,
     rotation_for,
     span,
@@ -144,6 +147,34 @@ def test_native_equals_torch_reference_and_plain_torch(name: str) -> None:
             assert torch.equal(g[1], full[1].index_select(1, rows))
             assert not torch.equal(g[0], full[0].index_select(1, rows)) or bool((rows == (
                 torch.arange(i * c, (i + 1) * c))).all())
+
+
+#: The rounding test's layouts: bfloat16 neox with rotary halves of 32 and 16 (the AVX-512
+#: BF16 row kernel), interleaved (the AVX-512F one), float32.
+EDGE_CASES = {
+    "neox": Case(index="keep", rope="default"),
+    "partial": Case(index="keep", rope="partial"),
+    "interleaved": Case(index="keep", rope="default", interleaved=True),
+    "neox-f32": Case(index="keep", rope="default", dtype=torch.float32),
+}
+
+
+@pytest.mark.parametrize("name", list(EDGE_CASES))
+def test_rotation_rounds_as_torch(name: str) -> None:
+    """K's rotation rounds as torch: ties to even, denormal inputs and results kept (the
+    BF16 instructions would flush them), the denormal range's top rounding up to the
+    smallest normal, +-0, overflows to infinity, infinities and NaNs (payloads aside)."""
+    case = EDGE_CASES[name]
+    srcs = [edge_values(case.geom.object_shape(), case.dtype, seed) for seed in range(case.n_src)]
+    idx, rope = case_index(case), _rope(case)
+    rotation = edge_rotation(idx.numel(), rope.head_dim, rope.rotary_dim, case.interleaved, 5)
+    ids = case_chunk_ids(case, idx.numel())
+    got = _run(nb, case, srcs, idx, ids, rotation)
+    ref = _run(tb, case, srcs, idx, ids, rotation)
+    for i, g, r in zip(ids, got, ref, strict=True):
+        assert_bits_as_torch(g, r, f"chunk {i}")
+    k = torch.stack([r[0] for r in ref]).float()
+    assert bool(((k != 0) & (k.abs() < 2**-126)).any()), "no denormal result was tested"
 
 
 def test_unnamed_output_chunks_stay_untouched() -> None:
