@@ -94,7 +94,7 @@ def test_fused_modify_waits_and_reports_a_missing_cache(server_shm):
         b.add(s)
         with pytest.raises(lmc_sdk.batch.LMCacheBatchedStreamError,
                            match="no cached kv for stream") as ei:
-            b.modify(edits.drop_every(10), timeout=0.3, poll_interval=0.05)
+            b.modify(edits.drop_every(10), timeout=2.0, poll_interval=0.05)
         assert ei.value.metrics.to_dict()["metrics"]["stages"]["lookups"] >= 3
         assert b.last_modify.items[0].stage == "retrieve"
         assert len(s.tokens) == 600 and s.suffix_tokens == []

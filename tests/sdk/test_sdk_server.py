@@ -376,9 +376,11 @@ def test_modify_waits_then_reports_a_missing_cache(qserver, exporter):
         with pytest.raises(lmc_sdk.batch.LMCacheBatchedStreamError, match="run prefill"):
             b.modify(drop_every_10th, timeout=0.2)
         s._stored_upto = 600  # as if an engine had been sent the prompt, and stored nothing
+        # The timeout bounds the first read too (0.3 s of it went there under CI load),
+        # so it is long enough for the back-off to send several lookups.
         with pytest.raises(lmc_sdk.batch.LMCacheBatchedStreamError,
                            match="no cached kv for stream") as ei:
-            b.modify(drop_every_10th, timeout=0.3, poll_interval=0.05)
+            b.modify(drop_every_10th, timeout=2.0, poll_interval=0.05)
         assert ei.value.metrics.to_dict()["metrics"]["stages"]["lookups"] >= 3
         assert len(s.tokens) == 600 and s.suffix_tokens == []
     finally:
