@@ -1,5 +1,7 @@
 #include "fused_tiles.hpp"
 
+#include "bf16_avx512.hpp"
+
 #include <pybind11/pybind11.h>
 
 // GCC's intrinsic headers build undefined vectors as `__Y = __Y`, which -O1 (the
@@ -119,24 +121,6 @@ LMCKV_LANE_TARGET inline void turn(__m512& a, __m512& b, __m512 c, __m512 s) {
   a = ya;
 }
 
-// 16 bfloat16 (the low or high half of v) as float32.
-LMCKV_LANE_TARGET inline __m512 widen(__m256i v) {
-  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(v), 16));
-}
-
-// 16 float32 to bfloat16 exactly as f32_to_bf16 (edit_common.hpp): to nearest even, a
-// NaN quieted (not the BF16 instructions: they flush denormals).
-LMCKV_LANE_TARGET inline __m256i narrow(__m512 f) {
-  const __m512i u = _mm512_castps_si512(f), one = _mm512_set1_epi32(1);
-  const __m512i top = _mm512_srli_epi32(u, 16);
-  const __m512i bias = _mm512_add_epi32(_mm512_set1_epi32(0x7fff), _mm512_and_si512(top, one));
-  const __m512i r = _mm512_srli_epi32(_mm512_add_epi32(u, bias), 16);
-  const __mmask16 nan = _mm512_cmpgt_epu32_mask(
-      _mm512_and_si512(u, _mm512_set1_epi32(0x7fffffff)), _mm512_set1_epi32(0x7f800000));
-  return _mm512_cvtepi32_epi16(
-      _mm512_mask_mov_epi32(r, nan, _mm512_or_si512(top, _mm512_set1_epi32(0x40))));
-}
-
 // One group's pair of rows turned (E = 2: bfloat16 in two halves of 16; 4: float32) and
 // stored; c, s: the pair's cos / sin of the group's tokens.
 template <size_t E, bool S>
@@ -144,14 +128,14 @@ LMCKV_LANE_TARGET inline void turn_group(char* dst, const LaneGroup& g, const La
                                          const float* c, const float* s) {
   const __m512i va = group_row<E>(g, pr.a), vb = group_row<E>(g, pr.b);
   if constexpr (E == 2) {
-    __m512 a0 = widen(_mm512_castsi512_si256(va)), a1 = widen(_mm512_extracti64x4_epi64(va, 1));
-    __m512 b0 = widen(_mm512_castsi512_si256(vb)), b1 = widen(_mm512_extracti64x4_epi64(vb, 1));
+    __m512 a0 = bf16x16_widen(_mm512_castsi512_si256(va)), a1 = bf16x16_widen(_mm512_extracti64x4_epi64(va, 1));
+    __m512 b0 = bf16x16_widen(_mm512_castsi512_si256(vb)), b1 = bf16x16_widen(_mm512_extracti64x4_epi64(vb, 1));
     turn(a0, b0, _mm512_loadu_ps(c), _mm512_loadu_ps(s));
     turn(a1, b1, _mm512_loadu_ps(c + 16), _mm512_loadu_ps(s + 16));
     store<S>(dst + (pr.a + g.dst),
-             _mm512_inserti64x4(_mm512_castsi256_si512(narrow(a0)), narrow(a1), 1));
+             _mm512_inserti64x4(_mm512_castsi256_si512(bf16x16_narrow(a0)), bf16x16_narrow(a1), 1));
     store<S>(dst + (pr.b + g.dst),
-             _mm512_inserti64x4(_mm512_castsi256_si512(narrow(b0)), narrow(b1), 1));
+             _mm512_inserti64x4(_mm512_castsi256_si512(bf16x16_narrow(b0)), bf16x16_narrow(b1), 1));
   } else {
     __m512 a = _mm512_castsi512_ps(va), b = _mm512_castsi512_ps(vb);
     turn(a, b, _mm512_loadu_ps(c), _mm512_loadu_ps(s));

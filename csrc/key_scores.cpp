@@ -1,5 +1,7 @@
 #include "key_scores.hpp"
 
+#include "bf16_avx512.hpp"
+
 #include <pybind11/pybind11.h>
 
 #include <algorithm>
@@ -80,11 +82,6 @@ void score_generic(const Head& h, bool keydiff, float* scratch) { score_body(h, 
 #if defined(__x86_64__)
 #define LMCKV_KS_TARGET __attribute__((target("avx512f,avx512bw,avx512vl,fma")))
 
-LMCKV_KS_TARGET inline __m512 load16(const uint16_t* p) {
-  const __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
-  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
-}
-
 // score_body with explicit vectors over the head (hd a multiple of 16, at most 256): the
 // compiler does not vectorise the float sums of norms and dots on its own.
 LMCKV_KS_TARGET void score_avx512(const Head& h, bool keydiff, float* scratch) {
@@ -95,7 +92,7 @@ LMCKV_KS_TARGET void score_avx512(const Head& h, bool keydiff, float* scratch) {
     const uint16_t* x = h.k + t * h.stride;
     __m512 sq = _mm512_setzero_ps();
     for (uint64_t v = 0; v < nv; ++v) {
-      const __m512 r = load16(x + 16 * v);
+      const __m512 r = bf16x16_load(x + 16 * v);
       sq = _mm512_fmadd_ps(r, r, sq);
       mean[v] = _mm512_add_ps(mean[v], r);
     }
@@ -115,7 +112,7 @@ LMCKV_KS_TARGET void score_avx512(const Head& h, bool keydiff, float* scratch) {
   for (uint64_t t = 0; t < h.tokens; ++t) {
     const uint16_t* x = h.k + t * h.stride;
     __m512 dot = _mm512_setzero_ps();
-    for (uint64_t v = 0; v < nv; ++v) dot = _mm512_fmadd_ps(load16(x + 16 * v), mean[v], dot);
+    for (uint64_t v = 0; v < nv; ++v) dot = _mm512_fmadd_ps(bf16x16_load(x + 16 * v), mean[v], dot);
     h.out[t] = -(_mm512_reduce_add_ps(dot) / std::max(h.out[t] * mnorm, 1e-8f));
   }
   (void)scratch;

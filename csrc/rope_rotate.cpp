@@ -1,5 +1,7 @@
 #include "rope_rotate.hpp"
 
+#include "bf16_avx512.hpp"
+
 // GCC's intrinsic headers build undefined vectors as `__Y = __Y`, which -O1 (the
 // sanitizer build) reports as maybe-uninitialized at every use: not this code's values.
 #pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
@@ -78,38 +80,15 @@ __attribute__((target("avx512f,avx512bw,avx512vl,fma"))) void rotate_avx512(
 #if defined(__x86_64__)
 #define LMCKV_NEOX_TARGET __attribute__((target("avx512f,avx512bw,avx512dq,avx512bf16,fma")))
 
-// 16 bfloat16 at p as float32.
-LMCKV_NEOX_TARGET inline __m512 load_bf16(const uint16_t* p) {
-  const __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
-  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
-}
-
-// 16 float32 as bfloat16 exactly as f32_to_bf16 (edit_common.hpp), on the bits: to
-// nearest even, denormals kept, a NaN quieted with its sign and payload. `odd`: odd_words().
-LMCKV_NEOX_TARGET inline __m256i narrow_bits(__m512 v, __m512i odd) {
-  const __m512i u = _mm512_castps_si512(v);
-  const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
-  const __m512i up = _mm512_add_epi32(u, _mm512_add_epi32(lsb, _mm512_set1_epi32(0x7fff)));
-  const __mmask16 nan = _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q);
-  const __m512i r = _mm512_mask_or_epi32(up, nan, u, _mm512_set1_epi32(0x00400000));
-  return _mm512_castsi512_si256(_mm512_permutexvar_epi16(odd, r));
-}
-
-// 16 float32 to bfloat16 at p as narrow_bits. vcvtneps2bf16 rounds every other input the
-// same way (normal float32 never rounds to a bfloat16 denormal) but reads denormal inputs
-// as zero: vectors holding one take narrow_bits (rare; twice the instructions).
-LMCKV_NEOX_TARGET inline void store_bf16(uint16_t* p, __m512 v, __m512i odd) {
+// 16 float32 to bfloat16 at p as bf16x16_narrow. vcvtneps2bf16 rounds every other input
+// the same way (normal float32 never rounds to a bfloat16 denormal) but reads denormal
+// inputs as zero: vectors holding one take bf16x16_narrow (rare; more instructions).
+LMCKV_NEOX_TARGET inline void store_bf16(uint16_t* p, __m512 v) {
   constexpr int kDenormal = 0x20;  // vfpclassps: a denormal of either sign
   const __m256i h = __builtin_expect(_mm512_fpclass_ps_mask(v, kDenormal) != 0, 0)
-                        ? narrow_bits(v, odd)
+                        ? bf16x16_narrow(v)
                         : reinterpret_cast<__m256i>(_mm512_cvtneps_pbh(v));
   _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), h);
-}
-
-// vpermw indices gathering the high 16 bits of 16 dwords into the low 256 bits.
-LMCKV_NEOX_TARGET inline __m512i odd_words() {
-  return _mm512_set_epi16(63, 61, 59, 57, 55, 53, 51, 49, 47, 45, 43, 41, 39, 37, 35, 33, 31, 29,
-                          27, 25, 23, 21, 19, 17, 15, 13, 11, 9, 7, 5, 3, 1);
 }
 
 // bfloat16 neox rows whose half rotary width is a multiple of 16: explicit AVX-512 (F, BW,
@@ -118,13 +97,12 @@ LMCKV_NEOX_TARGET void rotate_bf16_neox(void* dst, const void* src, const float*
                                         const float* s, const RowGeom& g) {
   const uint16_t* x = static_cast<const uint16_t*>(src);
   uint16_t* y = static_cast<uint16_t*>(dst);
-  const __m512i odd = odd_words();
   for (uint64_t h = 0; h < g.heads; ++h, x += g.head_dim, y += g.head_dim) {
     for (uint64_t i = 0; i < g.half; i += 16) {
-      const __m512 a = load_bf16(x + i), b = load_bf16(x + g.half + i);
+      const __m512 a = bf16x16_load(x + i), b = bf16x16_load(x + g.half + i);
       const __m512 cv = _mm512_loadu_ps(c + i), sv = _mm512_loadu_ps(s + i);
-      store_bf16(y + i, _mm512_fnmadd_ps(b, sv, _mm512_mul_ps(a, cv)), odd);
-      store_bf16(y + g.half + i, _mm512_fmadd_ps(a, sv, _mm512_mul_ps(b, cv)), odd);
+      store_bf16(y + i, _mm512_fnmadd_ps(b, sv, _mm512_mul_ps(a, cv)));
+      store_bf16(y + g.half + i, _mm512_fmadd_ps(a, sv, _mm512_mul_ps(b, cv)));
     }
     if (g.rotary < g.head_dim) {
       std::memcpy(y + g.rotary, x + g.rotary, (g.head_dim - g.rotary) * 2);

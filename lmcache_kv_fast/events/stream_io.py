@@ -152,7 +152,7 @@ class StreamIO:
 
     def _send(self, frames: list[bytes]) -> None:
         assert self._conn is not None
-        self._conn.sock.send_multipart(frames)
+        self._conn.send(frames, "a KV-event stream request")
 
     def _check_capability(self, probe: float) -> None:
         uid = codec.encode(next(UIDS))

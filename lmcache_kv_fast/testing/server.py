@@ -91,10 +91,15 @@ def zmq_noop(url: str, generation: Generation = GEN_056, timeout: float = 1.0) -
     ctx = zmq.Context.instance()
     sock = ctx.socket(zmq.DEALER)
     sock.setsockopt(zmq.LINGER, 0)
+    # A peer that is not a ZMQ server drops the connection at once; a send would then block.
+    sock.setsockopt(zmq.SNDTIMEO, max(1, int(timeout * 1000)))
     try:
         sock.connect(url)
         uid = codec.encode(secrets.randbits(31))
-        sock.send_multipart([uid, codec.encode(generation.op_frame_value(Op.NOOP))])
+        try:
+            sock.send_multipart([uid, codec.encode(generation.op_frame_value(Op.NOOP))])
+        except zmq.Again:
+            return False
         deadline = time.monotonic() + timeout
         while (left := deadline - time.monotonic()) > 0:
             if sock.poll(int(left * 1000) + 1):

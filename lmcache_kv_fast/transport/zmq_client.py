@@ -62,7 +62,8 @@ class Channel(ChannelBase):
     def __init__(self, client: ZmqClient, *, bound: bool = True) -> None:
         super().__init__(client, bound)
         # Disconnects (server killed or restarted) are noticed by its monitor; see peer_lost().
-        self._dealer = Dealer(client.zmq_context, client.endpoint, options=CHANNEL_OPTIONS)
+        self._dealer = Dealer(client.zmq_context, client.endpoint, options=CHANNEL_OPTIONS,
+                              send_timeout=client.timeout)
         self.sock: zmq.Socket = self._dealer.sock
         self._inflight: dict[bytes, PendingCall] = {}
         self._parked: dict[bytes, list[Any]] = {}
@@ -79,6 +80,7 @@ class Channel(ChannelBase):
         Raises:
             ContextClosedError: The client is closed.
             KeyError: The server generation does not have ``op`` (never sent).
+            ServerUnavailableError: No connection takes the message (``Dealer.send``).
         """
         gen = self._client.generation
         op_value = gen.op_frame_value(op)
@@ -93,7 +95,11 @@ class Channel(ChannelBase):
         call = PendingCall(uid, uid_frame, op, op_frame, time.monotonic())
         with self._client.active():
             self._inflight[uid_frame] = call
-            self.sock.send_multipart(frames, copy=len(frames[-1]) < 65536)
+            try:
+                self._dealer.send(frames, op.value, copy=len(frames[-1]) < 65536)
+            except BaseException:
+                del self._inflight[uid_frame]
+                raise
         return call
 
     def fire(self, op: Op, payloads: Sequence[Any] = (), *,

@@ -12,11 +12,12 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Sequence
+from typing import Any
 
 import zmq
 from zmq.utils.monitor import recv_monitor_message
 
-from lmcache_kv_fast.errors import InvalidArgumentError
+from lmcache_kv_fast.errors import InvalidArgumentError, ServerUnavailableError
 from lmcache_kv_fast.transport.urls import Endpoint, parse_zmq_url
 
 #: A control-plane channel: no high-water marks, so a pipelined call never blocks a send.
@@ -37,6 +38,7 @@ class Dealer:
         endpoint: Server URL or parsed :class:`~lmcache_kv_fast.transport.urls.Endpoint`.
         options: ``(option, value)`` pairs set after ``LINGER=0``, before connecting.
         events: Connection events to watch (``zmq.EVENT_*`` bits; 0: no monitor).
+        send_timeout: Longest a :meth:`send` may block, in seconds (see there).
 
     Raises:
         InvalidArgumentError: ZMQ refuses the address (the sockets are closed again).
@@ -44,12 +46,15 @@ class Dealer:
 
     def __init__(self, zctx: zmq.Context, endpoint: Endpoint | str, *,
                  options: Sequence[tuple[int, int]] = (),
-                 events: int = zmq.EVENT_DISCONNECTED) -> None:
+                 events: int = zmq.EVENT_DISCONNECTED, send_timeout: float = 5.0) -> None:
         self.monitor: zmq.Socket | None = None
         self._poller: zmq.Poller | None = None
+        self.url = endpoint if isinstance(endpoint, str) else endpoint.url
+        self.send_timeout = max(0.001, float(send_timeout))
         self.sock: zmq.Socket = zctx.socket(zmq.DEALER)
         try:
             self.sock.setsockopt(zmq.LINGER, 0)
+            self.sock.setsockopt(zmq.SNDTIMEO, int(self.send_timeout * 1000) or 1)
             for opt, val in options:
                 self.sock.setsockopt(opt, val)
             if events:
@@ -59,6 +64,26 @@ class Dealer:
             # An open socket would make zmq_ctx_term() block forever.
             self.close()
             raise
+
+    def send(self, frames: Sequence[Any], what: str, copy: bool = True) -> None:
+        """Send one message, blocking at most ``send_timeout``.
+
+        A DEALER queues messages on its connection even before it is up, but a peer that
+        is not a ZMQ server (one that speaks first, like gRPC's HTTP/2) fails the handshake
+        and ZMQ drops that connection for good; a send then has nowhere to go and would
+        block forever.
+
+        Raises:
+            ServerUnavailableError: Nothing took the message within ``send_timeout``.
+        """
+        try:
+            self.sock.send_multipart(frames, copy=copy)
+        except zmq.Again:
+            raise ServerUnavailableError(
+                f"{what} could not be sent to {self.url} within {self.send_timeout:g}s: no "
+                "connection there takes ZMQ messages (the peer is not an LMCache ZMQ server, "
+                "or it dropped the connection); check the URL and the server's transport"
+            ) from None
 
     def connection_events(self) -> list[int]:
         """The watched connection events (``zmq.EVENT_*``) since the last look; never blocks."""

@@ -195,6 +195,41 @@ def test_bracketed_ipv6_url_reaches_the_peer() -> None:
         zctx.term()
 
 
+@pytest.mark.timeout(60)
+def test_a_send_with_nowhere_to_go_is_bounded(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A DEALER with no connection to queue on blocks its sends (ZMQ drops a connection
+    whose peer fails the handshake for good; ``ZMQ_IMMEDIATE`` stands in for that state
+    here). The SDK's sends raise after their timeout instead; the channel forgets the
+    call. Seen once in CI: ``zmq_noop`` against a gRPC server's port blocked 300 s."""
+    import zmq
+
+    from lmcache_kv_fast.transport import zmq_client
+    from lmcache_kv_fast.transport.zmq_socket import Dealer
+
+    zctx = zmq.Context()
+    dealer = Dealer(zctx, "tcp://127.0.0.1:9", options=[(zmq.IMMEDIATE, 1)], events=0,
+                    send_timeout=0.3)
+    try:
+        t = time.monotonic()
+        with pytest.raises(lkf.ServerUnavailableError,
+                           match=r"noop could not be sent to tcp://127.0.0.1:9 within 0.3s"):
+            dealer.send([b"uid", b"op"], "noop")
+        assert 0.25 < time.monotonic() - t < 5
+    finally:
+        dealer.close()
+        zctx.term()
+    monkeypatch.setattr(zmq_client, "CHANNEL_OPTIONS",
+                        (*zmq_client.CHANNEL_OPTIONS, (zmq.IMMEDIATE, 1)))
+    client = ZmqClient("tcp://127.0.0.1:9", GEN_056, 0.3)
+    try:
+        ch = client.channel()
+        with pytest.raises(lkf.ServerUnavailableError, match="not an LMCache ZMQ server"):
+            ch.send(Op.NOOP)
+        assert not ch._inflight
+    finally:
+        assert _terminates(client)
+
+
 # ----------------------------------------------------------------------------- item 8
 class DripServer:
     """An HTTP peer that sends its reply one byte every ``interval`` seconds."""
