@@ -450,7 +450,7 @@ class LMCacheKVCacheContext:
             done = self._rewriting.rewrite(toks[:n_tok], salt, planner, apply, rc, t0,
                                            {} if stages is None else stages)
         if done is not None and done.stored.chunks_written:
-            new = [int(x) for x in done.tokens][: done.stored.chunks_total * s.chunk_size]
+            new = done.tokens[: done.stored.chunks_total * s.chunk_size]
             run_store_hooks(self, new, salt, done.stored.tokens_stored // s.chunk_size)
         return done
 

@@ -59,7 +59,7 @@ class RowsRewritten:
 
     Attributes:
         hit_tokens: Tokens of the cached prefix that was read.
-        tokens: The edit's tokens (what was stored, whole chunks of it).
+        tokens: The edit's tokens as a list of ints (what was stored, whole chunks of it).
         stored: The store's result.
         fused: True when the rows went slot to slot; False when the plan did not fit the
             core and the prefix was gathered into a tensor and edited there.
@@ -99,6 +99,15 @@ class FusedRows:
         return self._apply(gather_prefix(self._s, self._sources, len(self._hit)), self._hit)[0]
 
 
+def token_list(tokens: Any) -> list[int]:
+    """A plan's tokens as a list of ints (a tensor's ``tolist``; a list of ints as it is)."""
+    if isinstance(tokens, torch.Tensor):
+        return tokens.tolist()
+    if type(tokens) is list and set(map(type, tokens)) <= {int}:
+        return tokens
+    return [int(t) for t in tokens]
+
+
 def gather_prefix(s: Session, sources: dict[int, list[Region]], tokens: int) -> torch.Tensor:
     """The read prefix as a ``[P, L, T, D]`` tensor (every shard's columns)."""
     kv = s.alloc_result(tokens)
@@ -118,7 +127,7 @@ def fused_kernel(s: Session) -> str | None:
         return None
     if s.engine_kv is None:
         return "fused_rows" if hasattr(s.backend, "fused_rows") else None
-    if hasattr(s.backend, "fused_blocks") and s.engine_kv.block_offsets() is not None:
+    if hasattr(s.backend, "fused_blocks") and s.engine_kv.block_offset_lists() is not None:
         return "fused_blocks"
     return None
 
@@ -181,7 +190,7 @@ class RewriteFlow:
         t = time.perf_counter()
         try:
             plan = planner(hit)
-            new = [int(x) for x in plan.tokens]
+            new = token_list(plan.tokens)
             fused = fits_core(s, plan)
             src: Any = FusedRows(s, sources, plan, hit, apply)
             if not fused:
@@ -194,7 +203,7 @@ class RewriteFlow:
         stored = self._store(ch, src, new, hit, salt, read_key)
         stages["store"] = time.perf_counter() - t
         stages["copy"] = s.tls.copy_s - copied
-        return RowsRewritten(len(hit), plan.tokens, stored, fused, stages)
+        return RowsRewritten(len(hit), new, stored, fused, stages)
 
     def _store(self, ch: Channel, src: Any, new: Sequence[int], hit: list[int], salt: str,
                read_key: tuple[str, int, int]) -> StoreResult:

@@ -181,9 +181,19 @@ class BlockEngine(Protocol):
         """Per-token ``[2, L, T, NH*HS]`` -> raw rows ``[L, T, NH*2*HS]``."""
 
 
+def _offset_lists(e: BlockEngine) -> tuple[Sequence[int], Sequence[int]] | None:
+    """``e``'s ``(tok_off, dim_off)`` flattened: its shared lists when it has them."""
+    shared = getattr(e, "block_offset_lists", None)
+    if callable(shared):
+        return cast("tuple[Sequence[int], Sequence[int]] | None", shared())
+    tables = e.block_offsets()
+    return None if tables is None else (tables[0].reshape(-1).tolist(),
+                                         tables[1].reshape(-1).tolist())
+
+
 def check_block_engine(engine: object, geom: ChunkGeometry, rotation: Rotation | None
-                       ) -> tuple[BlockEngine, torch.Tensor, torch.Tensor]:
-    """The engine and its offset tables, after checking ``geom`` and the rotation against it.
+                       ) -> tuple[BlockEngine, Sequence[int], Sequence[int]]:
+    """The engine and its flat offset tables, after checking ``geom`` and the rotation.
 
     ``geom`` must describe the engine's raw objects: one plane, its layers, ``width`` =
     ``NH*2*HS``, its itemsize, whole blocks per chunk; a rotation's ``head_dim`` is HS.
@@ -210,7 +220,7 @@ def check_block_engine(engine: object, geom: ChunkGeometry, rotation: Rotation |
         raise InvalidArgumentError(
             f"fused_blocks: the rotation's head_dim {rotation.head_dim} is not the engine's "
             f"head_dim {e.head_dim}")
-    tables = e.block_offsets()
+    tables = _offset_lists(e)
     if tables is None:
         raise InvalidArgumentError(
             f"fused_blocks: the {e.kernel} kernel's order with block_size {e.block_size} and "

@@ -348,7 +348,7 @@ def fused_blocks(src_regions: Sequence[Region], dst_chunk_ids: Sequence[int],
         *regions, _tensor_span(index), n_out,
         (geom.layers, geom.chunk_tokens, geom.width, geom.itemsize, eng.block_size,
          eng.head_dim),
-        tok_off.reshape(-1).tolist(), dim_off.reshape(-1).tolist(),
+        tok_off, dim_off,
         _tensor_span(cos), _tensor_span(sin), *_rotation_args(rotation),
         ROTATION_DTYPES[dt] if dt else "")
     del keep

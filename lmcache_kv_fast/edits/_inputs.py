@@ -97,4 +97,5 @@ def take_tokens(tokens: Any, idx: torch.Tensor, count: int) -> Any:
         raise InvalidArgumentError(f"tokens: expected {count} tokens (one per KV row), got {n}")
     if isinstance(tokens, torch.Tensor):
         return tokens.reshape(-1).index_select(0, idx.to(tokens.device))
-    return torch.as_tensor(list(tokens), dtype=torch.int64).index_select(0, idx).tolist()
+    picked = [tokens[i] for i in idx.tolist()]
+    return picked if set(map(type, picked)) <= {int} else [int(t) for t in picked]

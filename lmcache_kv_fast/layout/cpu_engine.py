@@ -263,6 +263,15 @@ class CpuEngineKV:
         tables = _block_offsets(self.kernel, self.block_size, self.head_dim, self.num_kv_heads)
         return None if tables is None else (tables[0].clone(), tables[1].clone())
 
+    def block_offset_lists(self) -> tuple[tuple[int, ...], tuple[int, ...]] | None:
+        """:meth:`block_offsets` flattened (``tok_off``, ``dim_off``), immutable and shared.
+
+        Cached per geometry: what the fused kernels are handed on every call, without a
+        copy of the tables each time.
+        """
+        return _block_offset_lists(self.kernel, self.block_size, self.head_dim,
+                                   self.num_kv_heads)
+
     def _check(self, t: Any, name: str, *, raw: bool) -> int:
         if not isinstance(t, torch.Tensor):
             raise InvalidTypeError(f"{name}: expected a torch.Tensor, got {type(t).__name__}")
@@ -405,6 +414,15 @@ def _block_offsets(kernel: str, bs: int, hs: int, nh: int
             table.copy_(off)
         tok[plane] += plane * (bs * hs // row) * width  # V after K's whole rows
     return tok, dim
+
+
+@functools.lru_cache(maxsize=64)
+def _block_offset_lists(kernel: str, bs: int, hs: int, nh: int
+                        ) -> tuple[tuple[int, ...], tuple[int, ...]] | None:
+    tables = _block_offsets(kernel, bs, hs, nh)
+    if tables is None:
+        return None
+    return tuple(tables[0].reshape(-1).tolist()), tuple(tables[1].reshape(-1).tolist())
 
 
 def _token_view_ok(t: torch.Tensor) -> bool:

@@ -60,7 +60,7 @@ def fused_hooks(fn: Callable[..., Any], timeout: float, poll_interval: float,
 
     def done(m: Any, rewritten: Any) -> None:
         m.cached_len = rewritten.hit_tokens
-        m.new_tokens = [int(t) for t in rewritten.tokens]
+        m.new_tokens = list(rewritten.tokens)
         m.kv_nbytes = rewritten.hit_tokens * token_bytes
         m.nbytes += m.kv_nbytes
         m.path = "fused" if rewritten.fused else "tensor"

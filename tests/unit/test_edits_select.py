@@ -63,6 +63,16 @@ def test_tokens_as_tensor_and_bf16() -> None:
     assert out.dtype == torch.bfloat16 and torch.equal(out, kv[:, :, ::2])
 
 
+def test_token_lists_come_back_as_python_ints() -> None:
+    """A list or tuple of tokens (numpy integers too) comes back a list of exact ints."""
+    import numpy as np
+
+    kv = _kv()
+    for toks in ([5, 6, 7, 8], (5, 6, 7, 8), [np.int64(t) for t in (5, 6, 7, 8)]):
+        _, tok = edits.drop_every(2)(kv[:, :, :4], toks)
+        assert tok == [5, 7] and all(type(t) is int for t in tok)
+
+
 # ------------------------------------------------------------------ key scores
 def _keys_with(rows: list[torch.Tensor], heads: int = 2) -> torch.Tensor:
     """KV [2, 1, T, heads*DH] whose K row t is ``rows[t]`` in every head; V random."""

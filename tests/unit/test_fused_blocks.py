@@ -216,6 +216,21 @@ def test_block_offsets_address_to_raw(kernel: str, hs: int, bs: int, dtype: torc
 @pytest.mark.parametrize("bs,hs", [(24, 16), (3, 16)])
 def test_block_offsets_none_without_the_single_copy_path(bs: int, hs: int) -> None:
     assert CpuEngineKV(2, 2, hs, torch.float32, bs, "vec").block_offsets() is None
+    assert CpuEngineKV(2, 2, hs, torch.float32, bs, "vec").block_offset_lists() is None
+
+
+def test_block_offset_lists_are_the_tables_shared_and_immutable() -> None:
+    """What the kernels are handed per call: the tables flattened, one cached tuple pair;
+    the public tables stay copies (changing one changes nothing the kernels see)."""
+    eng = CpuEngineKV(2, 4, 64, torch.bfloat16, 128, "vec")
+    lists = eng.block_offset_lists()
+    assert lists is not None and all(isinstance(x, tuple) for x in lists)
+    assert lists is CpuEngineKV(2, 4, 64, torch.bfloat16, 128, "vec").block_offset_lists()
+    tables = eng.block_offsets()
+    assert tables is not None
+    assert [t.reshape(-1).tolist() for t in tables] == [list(x) for x in lists]
+    tables[0].zero_()
+    assert eng.block_offsets()[0].reshape(-1).tolist() == list(lists[0])
 
 
 # ------------------------------------------------------------------ helpers
