@@ -1,6 +1,7 @@
 #include "fused_tiles.hpp"
 
 #include "bf16_avx512.hpp"
+#include "line_store.hpp"
 
 #include <pybind11/pybind11.h>
 
@@ -65,16 +66,6 @@ struct Lanes<4> {
   }
 };
 
-// One group's 64 bytes to d: non-temporal (S, d 64-byte aligned) or cached.
-template <bool S>
-LMCKV_LANE_TARGET inline void store(char* d, __m512i v) {
-  if constexpr (S) {
-    _mm512_stream_si512(reinterpret_cast<__m512i*>(d), v);
-  } else {
-    _mm512_storeu_si512(d, v);
-  }
-}
-
 // One window's tokens of a group, in the group's order, for the row `row` bytes into each
 // block: only the window's elements from its first to its last token are read (the
 // masks; the second register only when they reach into it).
@@ -108,7 +99,7 @@ LMCKV_LANE_TARGET void lane_rows(char* dst, const LaneGroup* groups, uint64_t n,
                                  const int64_t* rows, uint64_t nrows) {
   for (uint64_t r = 0; r < nrows; ++r) {
     for (uint64_t k = 0; k < n; ++k) {
-      store<S>(dst + (rows[r] + groups[k].dst), group_row<E>(groups[k], rows[r]));
+      store_line<S>(dst + (rows[r] + groups[k].dst), group_row<E>(groups[k], rows[r]));
     }
   }
 }
@@ -132,15 +123,15 @@ LMCKV_LANE_TARGET inline void turn_group(char* dst, const LaneGroup& g, const La
     __m512 b0 = bf16x16_widen(_mm512_castsi512_si256(vb)), b1 = bf16x16_widen(_mm512_extracti64x4_epi64(vb, 1));
     turn(a0, b0, _mm512_loadu_ps(c), _mm512_loadu_ps(s));
     turn(a1, b1, _mm512_loadu_ps(c + 16), _mm512_loadu_ps(s + 16));
-    store<S>(dst + (pr.a + g.dst),
+    store_line<S>(dst + (pr.a + g.dst),
              _mm512_inserti64x4(_mm512_castsi256_si512(bf16x16_narrow(a0)), bf16x16_narrow(a1), 1));
-    store<S>(dst + (pr.b + g.dst),
+    store_line<S>(dst + (pr.b + g.dst),
              _mm512_inserti64x4(_mm512_castsi256_si512(bf16x16_narrow(b0)), bf16x16_narrow(b1), 1));
   } else {
     __m512 a = _mm512_castsi512_ps(va), b = _mm512_castsi512_ps(vb);
     turn(a, b, _mm512_loadu_ps(c), _mm512_loadu_ps(s));
-    store<S>(dst + (pr.a + g.dst), _mm512_castps_si512(a));
-    store<S>(dst + (pr.b + g.dst), _mm512_castps_si512(b));
+    store_line<S>(dst + (pr.a + g.dst), _mm512_castps_si512(a));
+    store_line<S>(dst + (pr.b + g.dst), _mm512_castps_si512(b));
   }
 }
 

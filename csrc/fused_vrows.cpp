@@ -1,5 +1,7 @@
 #include "fused_vrows.hpp"
 
+#include "line_store.hpp"
+
 // GCC's intrinsic headers build undefined vectors as `__Y = __Y`, which -O1 (the
 // sanitizer build) reports as maybe-uninitialized at every use: not this code's values.
 #pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
@@ -21,16 +23,6 @@ constexpr uint64_t kMaxGroup = 64;
 #if defined(__x86_64__)
 #define LMCKV_ROWS_TARGET __attribute__((target("avx512f,avx512bw")))
 
-// 64 bytes to d: non-temporal (S: d 64-byte aligned) or cached.
-template <bool S>
-LMCKV_ROWS_TARGET inline void put(char* d, __m512i v) {
-  if constexpr (S) {
-    _mm512_stream_si512(reinterpret_cast<__m512i*>(d), v);
-  } else {
-    _mm512_storeu_si512(d, v);
-  }
-}
-
 // The last n % 64 bytes of n (n % 64 != 0; never with S: a streaming caller has whole
 // lines), masked: no byte past n is read or written.
 LMCKV_ROWS_TARGET inline void put_tail(char* d, const char* s, uint64_t n) {
@@ -46,7 +38,7 @@ LMCKV_ROWS_TARGET void token_heads(char* d, const char* s, uint64_t bytes, uint6
   const uint64_t full = bytes / 64 * 64;
   for (uint64_t h = 0; h < heads; ++h, d += stride, s += stride) {
     for (uint64_t i = 0; i < full; i += 64) {
-      put<S>(d + i, _mm512_loadu_si512(s + i));
+      store_line<S>(d + i, _mm512_loadu_si512(s + i));
     }
     if (full != bytes) put_tail(d, s, bytes);
   }
@@ -59,12 +51,12 @@ LMCKV_ROWS_TARGET void span(char* d, const char* s, uint64_t n) {
   for (; i + 256 <= n; i += 256) {
     const __m512i a = _mm512_loadu_si512(s + i), b = _mm512_loadu_si512(s + i + 64);
     const __m512i c = _mm512_loadu_si512(s + i + 128), e = _mm512_loadu_si512(s + i + 192);
-    put<S>(d + i, a);
-    put<S>(d + i + 64, b);
-    put<S>(d + i + 128, c);
-    put<S>(d + i + 192, e);
+    store_line<S>(d + i, a);
+    store_line<S>(d + i + 64, b);
+    store_line<S>(d + i + 128, c);
+    store_line<S>(d + i + 192, e);
   }
-  for (; i + 64 <= n; i += 64) put<S>(d + i, _mm512_loadu_si512(s + i));
+  for (; i + 64 <= n; i += 64) store_line<S>(d + i, _mm512_loadu_si512(s + i));
   if (i != n) put_tail(d, s, n);
 }
 
