@@ -372,6 +372,7 @@ def summarize(s: W6Sizes, runs: list[dict[str, Any]]) -> dict[str, Any]:
         want_speed = FUSED_SPEEDUP_TARGET if library else SPEEDUP_TARGET
         want_priv = FUSED_PRIVATE_TARGET if library else RSS_TARGET
         doc["edit"] = "library" if library else "plain"
+        doc["paired"] = paired_ratios(runs)
         doc["targets"] = {
             "modify_speedup": {"value": speed, "target": want_speed,
                                "met": speed >= want_speed},
@@ -382,6 +383,19 @@ def summarize(s: W6Sizes, runs: list[dict[str, Any]]) -> dict[str, Any]:
             "modify_rss_ratio": {"value": rss, "target": RSS_TARGET, "met": rss <= RSS_TARGET},
         }
     return doc
+
+
+def paired_ratios(runs: list[dict[str, Any]]) -> list[dict[str, float]]:
+    """Each rep's modify on both sides and upstream's over ours (reps both sides ran).
+
+    The verdict is on the medians; these show how much one rep moves it.
+    """
+    by = {(r["side"], r.get("rep")): r["modify_s"] for r in runs
+          if r["side"] in ("ours", "upstream")}
+    reps = sorted({rep for side, rep in by if side == "ours" and ("upstream", rep) in by})
+    return [{"rep": rep, "ours_s": by["ours", rep], "upstream_s": by["upstream", rep],
+             "ratio": by["upstream", rep] / by["ours", rep] if by["ours", rep] > 0
+             else float("inf")} for rep in reps]
 
 
 def modify_floor(per: dict[str, dict[str, float]], land: dict[str, float],
@@ -460,6 +474,14 @@ def print_w6(doc: dict[str, Any]) -> None:
               f"cores of {f['cores']:.0f}; the engine kept {f['engine_busy_cores']:.2f} busy)")
         print(f"  => at most {f['max_possible_speedup']:.2f}x upstream's modify for a client "
               f"that costs nothing itself")
+    pairs = doc.get("paired") or []
+    if pairs:
+        ratios = [p["ratio"] for p in pairs]
+        print("  modify per rep, ours / upstream's s (upstream's ÷ ours): "
+              + ", ".join(f"{p['ours_s']:.3f} / {p['upstream_s']:.3f} ({p['ratio']:.1f}x)"
+                          for p in pairs)
+              + f"; paired ratios {min(ratios):.1f}x .. {max(ratios):.1f}x, median "
+                f"{statistics.median(ratios):.1f}x")
     for name, t in (doc.get("targets") or {}).items():
         op = ">=" if name == "modify_speedup" else "<="
         print(f"  {name}: {t['value']:.2f} (target {op} {t['target']}) "

@@ -9,7 +9,7 @@ import math
 import pytest
 
 from benches.harness.cli import build_parser
-from benches.harness.w6 import W6Sizes, kv_geometry, modify_floor, summarize
+from benches.harness.w6 import W6Sizes, kv_geometry, modify_floor, print_w6, summarize
 from lmcache_kv_fast.sdk import _modify as sdk_modify
 from lmcache_kv_fast.sdk.batch import LMCacheBatchedStream
 
@@ -166,3 +166,18 @@ def test_modify_memory_counts_the_result_buffers_prepared_during_the_prefill():
         assert len(other) == 32 << 20
     finally:
         _native.result_pool_trim()
+
+
+def test_summary_pairs_each_rep_of_both_sides_and_prints_their_spread(capsys):
+    runs = [_side("ours", 0, 0.25, 0.08, 0.2, 200 * 2**20),
+            _side("upstream", 0, 5.0, 0.2, 0.9, 3000 * 2**20),
+            _side("ours", 1, 0.40, 0.08, 0.3, 200 * 2**20),
+            _side("upstream", 1, 4.0, 0.2, 0.9, 3000 * 2**20),
+            _side("ours", 2, 0.30, 0.08, 0.3, 200 * 2**20)]  # upstream's rep 2 missing
+    doc = summarize(W6Sizes(), runs)
+    assert [p["rep"] for p in doc["paired"]] == [0, 1]
+    assert [p["ratio"] for p in doc["paired"]] == pytest.approx([20.0, 10.0])
+    print_w6(doc)
+    out = capsys.readouterr().out
+    assert "0.250 / 5.000 (20.0x), 0.400 / 4.000 (10.0x)" in out
+    assert "paired ratios 10.0x .. 20.0x, median 15.0x" in out
