@@ -901,6 +901,8 @@ PYBIND11_MODULE(_native, m) {
   bind_fused_blocks(m);
   m.def("set_threads", &set_threads, "n"_a);
   m.def("get_threads", &get_threads);
+  m.def("set_call_threads", &set_call_threads, "n"_a);
+  m.def("get_call_threads", &get_call_threads);
   m.def("set_parallel_threshold",
         [](py::handle n) { set_parallel_threshold(field(n, "threshold")); }, "nbytes"_a);
   m.def("get_parallel_threshold", &get_parallel_threshold);
@@ -936,6 +938,7 @@ PYBIND11_MODULE(_native, m) {
     d["uffd_unavailable"] = uffd_unavailable() ? 1 : 0;
     d["staged_box_bytes"] = staged_box_bytes();
     d["staged_box_direct_bytes"] = staged_box_direct_bytes();
+    d["pool_jobs"] = pool_jobs();
     return d;
   });
   m.def("set_cold_uffd", &set_uffd_enabled, "enabled"_a,

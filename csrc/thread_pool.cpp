@@ -124,6 +124,8 @@ struct PoolState {
 };
 
 NoDestructor<PoolState> g_state;
+thread_local int t_call_threads = 0;  // 0: no cap
+std::atomic<uint64_t> g_pool_jobs{0};
 
 int resolved_threads() {
   int n = g_state->threads.load(std::memory_order_relaxed);
@@ -172,8 +174,21 @@ uint64_t get_parallel_threshold() { return g_state->threshold.load(); }
 
 void set_parallel_threshold(uint64_t nbytes) { g_state->threshold.store(nbytes); }
 
+void set_call_threads(int n) {
+  if (n < 0 || n > kMaxThreads) {
+    throw pybind11::value_error("call thread cap must be in [0, " + std::to_string(kMaxThreads) +
+                                "] (0: none), got " + std::to_string(n));
+  }
+  t_call_threads = n;
+}
+
+int get_call_threads() { return t_call_threads; }
+
+uint64_t pool_jobs() { return g_pool_jobs.load(std::memory_order_relaxed); }
+
 int run_parallel(uint64_t nbytes, int max_tasks, const PartFn& fn) {
-  const int n = std::min(resolved_threads(), std::max(1, max_tasks));
+  const int cap = t_call_threads > 0 ? t_call_threads : kMaxThreads;
+  const int n = std::min({resolved_threads(), cap, std::max(1, max_tasks)});
   if (n <= 1 || nbytes < g_state->threshold.load(std::memory_order_relaxed)) {
     fn(0, 1);
     return 1;
@@ -190,6 +205,7 @@ int run_parallel(uint64_t nbytes, int max_tasks, const PartFn& fn) {
   const uint64_t by_size = std::max<uint64_t>(static_cast<uint64_t>(n), nbytes / kMinTaskBytes);
   const int ntasks = static_cast<int>(std::min<uint64_t>(
       {by_size, static_cast<uint64_t>(n) * kTasksPerThread, static_cast<uint64_t>(max_tasks)}));
+  g_pool_jobs.fetch_add(1, std::memory_order_relaxed);
   g_state->pool->run(n, ntasks, fn);
   return ntasks;
 }

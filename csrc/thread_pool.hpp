@@ -73,6 +73,14 @@ int get_threads();
 // threads than it has; a lower count leaves surplus workers asleep. ValueError outside.
 void set_threads(int n);
 
+// The calling thread's cap on the threads of its own copies (0: none, the configured
+// count applies): a caller that already runs alongside its peers on every free core (the
+// batched rewrite, batch/_cores.py) keeps its copies to itself. Thread-local.
+void set_call_threads(int n);
+int get_call_threads();
+// Jobs run on the pool so far (process total; tests and benches).
+uint64_t pool_jobs();
+
 // Jobs of fewer bytes than this run on the calling thread only.
 uint64_t get_parallel_threshold();
 void set_parallel_threshold(uint64_t nbytes);

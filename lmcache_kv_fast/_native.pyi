@@ -301,6 +301,15 @@ def set_threads(n: int) -> None:
 def get_threads() -> int:
     """Copy threads (default: LMCACHE_KV_FAST_THREADS, else usable CPUs)."""
 
+def set_call_threads(n: int) -> None:
+    """Cap the threads of this thread's own copies (0: no cap); thread-local.
+
+    ValueError outside ``[0, MAX_THREADS]``.
+    """
+
+def get_call_threads() -> int:
+    """This thread's cap (0: none)."""
+
 def set_parallel_threshold(nbytes: int) -> None:
     """Copies smaller than this stay on the calling thread."""
 
@@ -346,7 +355,8 @@ def copy_stats() -> dict[str, int]:
     userfaultfd could not be used in this process), ``staged_box_bytes`` (strided
     copies moved through per-thread staging boxes, ``csrc/strided_copy.cpp``) and
     ``staged_box_direct_bytes`` (of those, the ones whose 32 x 32 tiles were streamed
-    from the staged source straight to the destination).
+    from the staged source straight to the destination) and ``pool_jobs`` (copies
+    split over the copy pool).
     """
 
 def set_cold_uffd(enabled: bool) -> None:

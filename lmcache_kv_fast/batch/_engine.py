@@ -33,6 +33,7 @@ from typing import Any
 
 import torch
 
+from lmcache_kv_fast.batch._cores import CoreCensus
 from lmcache_kv_fast.batch._fused import FusedHooks, FusedPath
 from lmcache_kv_fast.batch._liveness import ServerWatch
 from lmcache_kv_fast.batch._policy import EditPolicy, EditRunner
@@ -165,6 +166,7 @@ class RewriteEngine:
                                          caller_threads=torch.get_num_threads(),
                                          native=self._native)
         self._alloc_result = be.alloc_result
+        self.census = CoreCensus(getattr(be, "cap_call_threads", None) if self._native else None)
         self.reuse_buffers = reuse_buffers
         self._fetch_fn = fetch
         if store is not None and not callable(store):
@@ -290,6 +292,7 @@ class RewriteEngine:
     def _stage_fetch(self, it: Item) -> None:
         if self._halted():
             return self._not_started(it)
+        self.census.apply()
         fn = self.fn if it.fn is None else it.fn
         edit = self.fused.edit_for(it.item, fn) if it.store_step is None else None
         if edit is not None:
@@ -352,6 +355,7 @@ class RewriteEngine:
     def _stage_store(self, it: Item) -> None:
         if self._watch.gone() is not None:
             return self._dropped(it)
+        self.census.apply()
         res = it.res
         salt = self.salt if it.salt is None else it.salt
         t = time.perf_counter()
@@ -384,6 +388,7 @@ class RewriteEngine:
                                   grad_enabled=torch.is_grad_enabled(),
                                   inference_mode=torch.is_inference_mode_enabled())
         self._stop.clear()
+        self.census.start()
         self._io = Workers(self.io_workers, "lmcache-kv-batch-io")
         self._edit = Workers(1, "lmcache-kv-batch-edit", self._runner.setup)
 

@@ -2,8 +2,8 @@
 
 Two backends expose the same function list (``open_segment``, ``scatter``, ``gather``,
 ``fused_rows``, ``alloc_result``, ``reserve_results``, ``release_results``,
-``set_threads``, ``get_threads``): ``native`` (the C++ core) and ``torch`` (reference and
-fallback).
+``set_threads``, ``get_threads``, ``cap_call_threads``): ``native`` (the C++ core) and
+``torch`` (reference and fallback).
 :func:`backend` returns the live one.
 """
 

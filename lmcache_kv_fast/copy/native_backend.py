@@ -35,6 +35,7 @@ import torch
 
 from lmcache_kv_fast import _native
 from lmcache_kv_fast.copy.base import (
+    MAX_COPY_THREADS,
     ChunkGeometry,
     Region,
     SlotLike,
@@ -453,3 +454,17 @@ def set_threads(n: int) -> None:
 def get_threads() -> int:
     """Return the number of copy threads."""
     return _native.get_threads()
+
+
+def cap_call_threads(n: int) -> None:
+    """Cap the calling thread's own copies at ``n`` threads (0: no cap; thread-local).
+
+    Raises:
+        InvalidArgumentError: ``n`` outside ``[0, MAX_COPY_THREADS]``.
+        InvalidTypeError: ``n`` is not an int.
+    """
+    if isinstance(n, bool) or not isinstance(n, int):
+        raise InvalidTypeError(f"cap must be an int, got {type(n).__name__}")
+    if not 0 <= n <= MAX_COPY_THREADS:
+        raise InvalidArgumentError(f"cap must be in [0, {MAX_COPY_THREADS}] (0: none), got {n}")
+    _native.set_call_threads(n)

@@ -338,3 +338,7 @@ def set_threads(n: int) -> None:
 def get_threads() -> int:
     """Return torch's intra-op thread count."""
     return torch.get_num_threads()
+
+
+def cap_call_threads(n: int) -> None:
+    """A no-op: torch's thread count is process-wide, not the calling thread's."""

@@ -12,18 +12,23 @@ converter's rows of it.
 
 from __future__ import annotations
 
+import subprocess
+import sys
+import time
+
 import pytest
 import torch
 from conftest import make_model, rand_tokens, unique_model_name
 
 import lmcache_kv_fast.kvcache as lmc_sdk
-from lmcache_kv_fast import batch, edits
+from lmcache_kv_fast import _native, batch, edits
 from lmcache_kv_fast.batch import RewriteEngine
 from lmcache_kv_fast.layout import CpuEngineKV
 from lmcache_kv_fast.testing.register import register_engine_driven, unregister_engine_driven
 
 C = 256
 HEAD = 128
+SPIN = "import os, time\nend = time.time() + 60\nwhile time.time() < end:\n    os.sched_yield()\n"
 ROPE_SCALING = {"rope_type": "llama3", "factor": 32.0, "low_freq_factor": 1.0,
                 "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}
 ROPE = edits.rope_from_config({
@@ -203,3 +208,32 @@ def test_cpu_engine_rows_fused_in_the_kernels_order(server, kernel):
             assert _settled(server) == (0, 0, 0)
     finally:
         unregister_engine_driven(server.url, iid)
+
+
+def test_copies_stay_on_their_threads_while_another_process_holds_a_core(server_shm):
+    """With a process that never sleeps (vLLM's worker busy-polls a core after each step),
+    the batch's census caps its copies at the free core: no copy is split over the pool
+    (a pool thread there would wait behind the poller), and the bytes are the same."""
+    m = make_model(server_shm, num_layers=4, num_kv_heads=8, head_size=HEAD)
+    spin = subprocess.Popen([sys.executable, "-c", SPIN])
+    threads, threshold = _native.get_threads(), _native.get_parallel_threshold()
+    try:
+        _native.set_threads(2)
+        _native.set_parallel_threshold(64 << 10)  # every copy would go to the pool
+        with lmc_sdk.connect(server_shm.url, server_shm.http_url, m.name) as ctx:
+            toks, kvs = _seed(m, ctx, 3, 800)
+            fn = edits.drop_every(10, rope=ROPE)
+            engine = RewriteEngine(ctx, fn)
+            assert engine.census.enabled, "the census cannot see this machine"
+            time.sleep(0.2)
+            jobs = _native.copy_stats()["pool_jobs"]
+            got = list(engine.results(toks))
+            assert _native.copy_stats()["pool_jobs"] == jobs
+            assert engine.census.cap() == 1
+            assert [r.path for r in got] == ["fused"] * 3
+            _check(ctx, fn, toks, kvs)
+    finally:
+        _native.set_threads(threads)
+        _native.set_parallel_threshold(threshold)
+        spin.kill()
+        spin.wait(10)
