@@ -54,7 +54,7 @@ def other_running() -> int:
     """Tasks of other processes running or runnable now, on the whole machine."""
     with open("/proc/loadavg", "rb") as f:
         running = int(f.read().split()[3].split(b"/")[0])
-    return max(0, running - own_running())
+    return 0 if running <= 1 else max(0, running - own_running())  # 1: the caller
 
 
 def _usable_cpus() -> int:
