@@ -85,6 +85,7 @@ class CoreCensus:
         self._sample = sample
         self.cpus = _usable_cpus() if cpus is None else cpus
         self._seen: collections.deque[int] = collections.deque(maxlen=WINDOW)
+        self._cap = 0  # from the samples, under the lock; read by any thread
         self._at = 0.0
         self._lock = threading.Lock()
 
@@ -98,19 +99,18 @@ class CoreCensus:
             return
         with self._lock:
             self._seen.clear()
+            self._cap = 0
             for _ in range(WINDOW):
                 self._take()
 
     def cap(self) -> int:
         """The copy cap now: 0 when no other process holds a core, else the free cores."""
-        if not self.enabled or not self._seen:
-            return 0
-        busy = min(self._seen)
-        return 0 if busy == 0 else max(1, self.cpus - busy)
+        return self._cap if self.enabled else 0
 
     def apply(self) -> int:
         """Sample if due, then cap the calling thread's copies; return the cap."""
-        if not self.enabled:
+        apply = self._apply  # another thread may turn the census off meanwhile
+        if apply is None or self.cpus <= 0:
             return 0
         if time.monotonic() - self._at >= PERIOD_S and self._lock.acquire(blocking=False):
             try:
@@ -118,14 +118,16 @@ class CoreCensus:
             finally:
                 self._lock.release()
         n = self.cap()
-        assert self._apply is not None
-        self._apply(n)
+        apply(n)
         return n
 
     def _take(self) -> None:
+        """One sample, and the cap from the window (the caller holds the lock)."""
         try:
             self._seen.append(self._sample())
         except (OSError, ValueError, IndexError) as err:
             logger.debug("core census off: %r", err)
             self._apply = None
+        busy = min(self._seen, default=0)
+        self._cap = 0 if busy == 0 else max(1, self.cpus - busy)
         self._at = time.monotonic()

@@ -160,3 +160,28 @@ def test_own_running_threads_are_not_counted_as_others():
     finally:
         stop.set()
         t.join()
+
+
+def test_threads_applying_at_once_see_whole_caps(monkeypatch):
+    """I/O threads apply the cap while one of them samples: every cap they get is one a
+    window of samples gives (0 or 1 of 2 CPUs here), and nothing raises."""
+    monkeypatch.setattr(_cores, "PERIOD_S", 0.0)
+    counter = iter(range(1 << 30))
+    census = CoreCensus(lambda n: None, sample=lambda: next(counter) % 2, cpus=2)
+    census.start()
+    seen: set[int] = set()
+    errors: list[BaseException] = []
+
+    def run() -> None:
+        try:
+            for _ in range(2000):
+                seen.add(census.apply())
+        except BaseException as err:  # reported below
+            errors.append(err)
+
+    threads = [threading.Thread(target=run) for _ in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors and seen <= {0, 1} and census.enabled
