@@ -6,12 +6,15 @@ numbers move with the engine's busy-polling. This runs the same modify — 16 st
 chunk 256: Llama-3.2-1B's geometry), ``edits.drop_every(10)`` slot to slot — against a
 local real server whose engine-driven context is registered as the engine's connector
 does, the KV stored by this SDK instead of a prefill. Per rep (fresh tokens each): the
-modify's wall time, this process's CPU (user + sys), the server's CPU, and a flat memcpy
-of the batch's bytes timed in the same rep (the roofline of one pass). With ``--spin`` a
-process spins on ``sched_yield`` during the modify, as the engine's worker does for 1 s
-after its last step. No assertions.
+modify's wall time, this process's CPU (user + sys), the copy kernel's CPU on the calling
+threads (all of it with one copy thread), the server's CPU, and a flat memcpy of the
+batch's bytes timed in the same rep (the roofline of one pass). With ``--spin`` a process
+spins on ``sched_yield`` during the modify. ``--one-core CPU`` runs this process and its
+server on one CPU with one copy thread: W6's condition, where the engine's worker
+busy-polls the other core for 1 s after its last step (docs/performance.md). No assertions.
 
     .venv/bin/python -m benches.bench_modify_rows [--reps 5] [--streams 16] [--spin]
+        [--one-core 1]
 """
 
 from __future__ import annotations
@@ -23,6 +26,7 @@ import os
 import resource
 import statistics
 import sys
+import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -117,6 +121,39 @@ def perf_window() -> Iterator[None]:
         say("disable")
 
 
+class KernelClock:
+    """CPU seconds spent in ``_native.fused_blocks`` on the threads that call it."""
+
+    def __init__(self) -> None:
+        self.seconds = 0.0
+        self._lock = threading.Lock()
+        self._inner = _native.fused_blocks
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        t = time.thread_time()
+        try:
+            return self._inner(*args, **kwargs)
+        finally:
+            dt = time.thread_time() - t
+            with self._lock:
+                self.seconds += dt
+
+    @contextlib.contextmanager
+    def installed(self) -> Iterator[KernelClock]:
+        """Time every ``fused_blocks`` call while the block runs."""
+        _native.fused_blocks = self  # type: ignore[assignment]
+        try:
+            yield self
+        finally:
+            _native.fused_blocks = self._inner  # type: ignore[assignment]
+
+
+def pin_one_core(cpu: int) -> None:
+    """Run this process (and the server it starts) on ``cpu`` with one copy thread."""
+    os.sched_setaffinity(0, {cpu})
+    _native.set_threads(1)
+
+
 def memcpy_s(nbytes: int) -> float:
     """Seconds of one flat memcpy of ``nbytes`` between pre-faulted buffers."""
     a = torch.ones(nbytes, dtype=torch.uint8)
@@ -148,7 +185,7 @@ def one_rep(ctx: Any, args: argparse.Namespace, rep: int, srv: LMCacheServer) ->
     copy = memcpy_s(nbytes)
     quiesce(server_pid)
     fn = edits.drop_every(10)
-    with spinner(args.spin), perf_window():
+    with spinner(args.spin), perf_window(), KernelClock().installed() as kernel:
         srv0, ru0 = _group_cpu(server_pid), resource.getrusage(resource.RUSAGE_SELF)
         t = time.perf_counter()
         report = batch.modify(fn)
@@ -157,7 +194,8 @@ def one_rep(ctx: Any, args: argparse.Namespace, rep: int, srv: LMCacheServer) ->
     fused = sum(getattr(m, "path", "") == "fused" for m in batch.last_modify.items)
     stages = report.to_dict()["metrics"]["stages"]
     return {"wall": wall, "user": ru1.ru_utime - ru0.ru_utime,
-            "sys": ru1.ru_stime - ru0.ru_stime, "server": srv1 - srv0, "memcpy": copy,
+            "sys": ru1.ru_stime - ru0.ru_stime, "kernel": kernel.seconds,
+            "server": srv1 - srv0, "memcpy": copy,
             "fused": fused, "faults": ru1.ru_minflt - ru0.ru_minflt, "stages": stages}
 
 
@@ -179,18 +217,20 @@ def run(args: argparse.Namespace) -> None:
             unregister_engine_driven(srv.url, iid)
     print(f"modify of {args.streams} x {args.tokens} tokens ({gib:.2f} GiB), "
           f"geometry {args.layers},{args.heads},{args.head_dim}, kernel {args.kernel}, "
-          f"spinner {'on' if args.spin else 'off'}")
-    print("| rep | wall s | SDK user s | SDK sys s | server s | memcpy s | wall/memcpy | "
-          "faults | fused |")
-    print("|---|---|---|---|---|---|---|---|---|")
+          f"spinner {'on' if args.spin else 'off'}, CPUs {sorted(os.sched_getaffinity(0))}, "
+          f"{_native.get_threads()} copy thread(s)")
+    print("| rep | wall s | SDK user s | SDK sys s | kernel s | server s | memcpy s | "
+          "wall/memcpy | faults | fused |")
+    print("|---|---|---|---|---|---|---|---|---|---|")
     for i, r in enumerate(rows):
         print(f"| {i} | {r['wall']:.3f} | {r['user']:.3f} | {r['sys']:.3f} | "
-              f"{r['server']:.3f} | {r['memcpy']:.3f} | {r['wall'] / r['memcpy']:.2f} | "
-              f"{r['faults']} | {r['fused']} |")
+              f"{r['kernel']:.3f} | {r['server']:.3f} | {r['memcpy']:.3f} | "
+              f"{r['wall'] / r['memcpy']:.2f} | {r['faults']} | {r['fused']} |")
     med = {k: statistics.median(r[k] for r in rows)
-           for k in ("wall", "user", "sys", "server", "memcpy")}
+           for k in ("wall", "user", "sys", "kernel", "server", "memcpy")}
     print(f"| median | {med['wall']:.3f} | {med['user']:.3f} | {med['sys']:.3f} | "
-          f"{med['server']:.3f} | {med['memcpy']:.3f} | {med['wall'] / med['memcpy']:.2f} | | |")
+          f"{med['kernel']:.3f} | {med['server']:.3f} | {med['memcpy']:.3f} | "
+          f"{med['wall'] / med['memcpy']:.2f} | | |")
     print("stages (last rep, summed over streams):",
           {k: round(v, 4) if isinstance(v, float) else v for k, v in rows[-1]["stages"].items()})
 
@@ -207,7 +247,12 @@ def main() -> None:
     p.add_argument("--kernel", default="vec", choices=["vec", "vec16", "amx"])
     p.add_argument("--in-flight", type=int, default=0, help="max streams in flight (0: default)")
     p.add_argument("--spin", action="store_true", help="a sched_yield spinner meanwhile")
-    run(p.parse_args())
+    p.add_argument("--one-core", type=int, metavar="CPU", default=None,
+                   help="this process and its server on one CPU, one copy thread (W6's case)")
+    args = p.parse_args()
+    if args.one_core is not None:
+        pin_one_core(args.one_core)
+    run(args)
 
 
 if __name__ == "__main__":

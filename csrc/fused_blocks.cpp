@@ -3,8 +3,13 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cstring>
+#include <list>
+#include <mutex>
 #include <string>
+#include <tuple>
+#include <utility>
 
 #include "common.hpp"
 #include "copy_kernels.hpp"
@@ -15,6 +20,23 @@ namespace lmckv {
 namespace {
 
 constexpr const char* kWhat = "fused_blocks";
+
+// What a geometry's tables are planned from: equal keys plan equal tables.
+struct TablesKey {
+  uint64_t bs, hs, width, itemsize, rotary;
+  bool interleaved;
+  std::string isa;  // set_fused_blocks_isa: plans made afterwards follow it
+  std::vector<int64_t> tok_off, dim_off;
+
+  bool operator==(const TablesKey& o) const {
+    return std::tie(bs, hs, width, itemsize, rotary, interleaved, isa, tok_off, dim_off) ==
+           std::tie(o.bs, o.hs, o.width, o.itemsize, o.rotary, o.interleaved, o.isa, o.tok_off,
+                    o.dim_off);
+  }
+};
+
+constexpr size_t kTablesKept = 8;  // geometries kept (a process rarely has more than one)
+std::atomic<uint64_t> g_tables_planned{0};
 
 // Cold destinations (common.hpp: mostly_absent) get cached stores, as in fused_rows.cpp:
 // the first store to a page faults in a zeroed page, which streaming stores would then
@@ -132,13 +154,13 @@ uint64_t FusedBlocksPlan::checked_chunk_nbytes(const FusedBlocksArgs& a) {
   return checked_mul(checked_mul(lc, a.width, kWhat), a.itemsize, kWhat);
 }
 
+uint64_t fused_block_tables_planned() { return g_tables_planned.load(); }
+
 FusedBlocksPlan::FusedBlocksPlan(const FusedBlocksArgs& a)
     : a_(a),
       chunk_nbytes_(checked_chunk_nbytes(a)),
-      io_(a, kWhat, chunk_nbytes_, object_shape(a)) {
-  check_tables();
-  check_cells();
-  plan_copies();
+      io_(a, kWhat, chunk_nbytes_, object_shape(a)),
+      t_(tables()) {
   for (char* d : io_.dst) cold_.push_back(cold_pages(d, chunk_nbytes_) ? 1 : 0);
   if (a.rotary_dim) {
     geom_ = RowGeom{1, a.head_size, a.rotary_dim, a.rotary_dim / 2, a.interleaved};
@@ -146,9 +168,37 @@ FusedBlocksPlan::FusedBlocksPlan(const FusedBlocksArgs& a)
   }
 }
 
+// This geometry's tables: the kept ones when the same tables were planned before (~0.2 ms
+// per call for W6's geometry, a third of a one-chunk call), else checked and planned now.
+// A kept plan was checked from the same values, so every check still holds.
+std::shared_ptr<const FusedBlocksPlan::Tables> FusedBlocksPlan::tables() const {
+  TablesKey key{a_.block_size, a_.head_size, a_.width,    a_.itemsize, a_.rotary_dim,
+                a_.interleaved, fused_blocks_isa(), a_.tok_off, a_.dim_off};
+  static std::mutex mu;
+  static std::list<std::pair<TablesKey, std::shared_ptr<const Tables>>> kept;
+  {
+    std::lock_guard<std::mutex> lock(mu);
+    for (auto it = kept.begin(); it != kept.end(); ++it) {
+      if (it->first == key) {
+        kept.splice(kept.begin(), kept, it);  // most recent first
+        return it->second;
+      }
+    }
+  }
+  check_tables();
+  check_cells();
+  auto t = std::make_shared<Tables>();
+  plan_copies(*t);
+  g_tables_planned.fetch_add(1);
+  std::lock_guard<std::mutex> lock(mu);
+  kept.emplace_front(std::move(key), t);
+  if (kept.size() > kTablesKept) kept.pop_back();
+  return t;
+}
+
 // The tables' shapes, and entries small enough (|x| <= 2^61) that sums and differences of
 // a few of them cannot overflow.
-void FusedBlocksPlan::check_tables() {
+void FusedBlocksPlan::check_tables() const {
   const uint64_t bs = a_.block_size, hs = a_.head_size;
   if (a_.tok_off.size() != checked_mul(2, bs, kWhat)) {
     fused_fail(kWhat, "tok_off has " + num(a_.tok_off.size()) + " entries, expected [2, " +
@@ -233,12 +283,12 @@ void FusedBlocksPlan::append_cell(std::vector<Seg>& segs, int64_t r) {
 
 // Each plane's dim_off as maximal runs of consecutive offsets, its token lanes, and its
 // token rows when a token's dims are one run.
-void FusedBlocksPlan::plan_copies() {
+void FusedBlocksPlan::plan_copies(Tables& t) const {
   const uint64_t bs = a_.block_size, hs = a_.head_size;
   for (int p = 0; p < 2; ++p) {
     const int64_t* off = a_.dim_off.data() + p * hs;
     const int64_t* tok = a_.tok_off.data() + p * bs;
-    PlaneCopy& c = copy_[p];
+    PlaneCopy& c = t.copy[p];
     for (uint64_t k = 0; k < hs; ++k) append_cell(c.segs, off[k]);
     c.seg_len = c.segs.front().len;
     for (const Seg& g : c.segs) c.seg_len = g.len == c.seg_len ? c.seg_len : 0;
@@ -248,16 +298,16 @@ void FusedBlocksPlan::plan_copies() {
     for (uint64_t tb = bs - 1; step && tb-- > 0;) {
       if (tok[tb + 1] == tok[tb] + step) c.lane[tb] = c.lane[tb + 1] + 1;
     }
-    plan_tiles(p);
-    plan_lanes(p);
-    if (c.segs.size() == 1) rows_[p] = TokenRows(tok, off, bs, hs, a_.width, a_.itemsize);
+    plan_tiles(p, c);
+    plan_lanes(p, t.lanes[p]);
+    if (c.segs.size() == 1) t.rows[p] = TokenRows(tok, off, bs, hs, a_.width, a_.itemsize);
   }
 }
 
 // Plane p's lane groups (fused_tiles.hpp) over its rows, dims outermost: a dim's heads sit
 // side by side in one raw row. A rotated K's rotary dims as pairs of rows (neox: i and
 // i + half; interleaved: 2i and 2i + 1), the rest copied.
-void FusedBlocksPlan::plan_lanes(int p) {
+void FusedBlocksPlan::plan_lanes(int p, LaneGroups& lanes) const {
   const uint64_t hs = a_.head_size, heads = a_.width / (2 * hs);
   const uint64_t rotary = p == 0 ? a_.rotary_dim : 0, half = rotary / 2;
   const int64_t* off = a_.dim_off.data() + p * hs;
@@ -266,15 +316,15 @@ void FusedBlocksPlan::plan_lanes(int p) {
   for (uint64_t d = rotary; d < hs; ++d) {
     for (uint64_t h = 0; h < heads; ++h) rows.push_back(row(h, d));
   }
-  lanes_[p] = LaneGroups(a_.tok_off.data() + p * a_.block_size, a_.block_size, a_.itemsize,
-                         std::move(rows));
+  lanes = LaneGroups(a_.tok_off.data() + p * a_.block_size, a_.block_size, a_.itemsize,
+                     std::move(rows));
   if (rotary == 0) return;
   std::vector<LanePair> pairs;
   for (uint64_t i = 0; i < half; ++i) {
     const uint64_t da = a_.interleaved ? 2 * i : i, db = a_.interleaved ? 2 * i + 1 : i + half;
     for (uint64_t h = 0; h < heads; ++h) pairs.push_back(LanePair{row(h, da), row(h, db), i});
   }
-  lanes_[p].set_rotation(std::move(pairs));
+  lanes.set_rotation(std::move(pairs));
 }
 
 // Tiles of n = BS, BS/2, .. 2 tokens (halving while even) where every aligned group of n
@@ -283,11 +333,10 @@ void FusedBlocksPlan::plan_lanes(int p) {
 // ones; any plane: a whole block). The group's cells are put in order by a bitmap over
 // the block's elements (each cell distinct and inside, check_cells): a sort of its
 // n * HS offsets cost ~0.7 ms per call for W6's geometry.
-void FusedBlocksPlan::plan_tiles(int p) {
+void FusedBlocksPlan::plan_tiles(int p, PlaneCopy& c) const {
   const uint64_t bs = a_.block_size, hs = a_.head_size;
   const int64_t* tok = a_.tok_off.data() + p * bs;
   const int64_t* off = a_.dim_off.data() + p * hs;
-  PlaneCopy& c = copy_[p];
   std::vector<uint64_t> bits((bs * a_.width + 63) / 64);
   for (uint64_t n = bs; n >= 2; n = n % 2 ? 0 : n / 2) {
     bool same = true;
@@ -319,7 +368,7 @@ void FusedBlocksPlan::copy_plane(int p, char* d, uint64_t dtb, const char* s, ui
                                  uint64_t n) const {
   const uint64_t bs = a_.block_size, hs = a_.head_size, e = a_.itemsize;
   const int64_t dofs = a_.tok_off[p * bs + dtb], sofs = a_.tok_off[p * bs + stb];
-  const PlaneCopy& c = copy_[p];
+  const PlaneCopy& c = t_->copy[p];
   if (n == 1 && c.elementwise) {
     const int64_t* off = a_.dim_off.data() + p * hs;
     if (e == 2) {
@@ -355,7 +404,7 @@ void FusedBlocksPlan::rotate_k(char* d, uint64_t dtb, const char* s, uint64_t st
 // the same block.
 const FusedBlocksPlan::Tile* FusedBlocksPlan::tile_for(int p, uint64_t tb, const SrcToken& f,
                                                        uint64_t most) const {
-  for (const Tile& t : copy_[p].tiles) {
+  for (const Tile& t : t_->copy[p].tiles) {
     if (t.tokens <= most && tb % t.tokens == 0 && f.tb % t.tokens == 0 && f.run >= t.tokens) {
       return &t;
     }
@@ -386,7 +435,7 @@ void FusedBlocksPlan::copy_tokens(int p, char* d, const SrcToken* from, uint64_t
       }
       n = t->tokens;
     } else {
-      n = std::min({f.run, copy_[p].lane[tb], copy_[p].lane[f.tb], last - tb});
+      n = std::min({f.run, t_->copy[p].lane[tb], t_->copy[p].lane[f.tb], last - tb});
       for (uint64_t h = 0; h < heads; ++h) {
         copy_plane(p, d + h * head, tb, f.block + h * head, f.tb, n);
       }
@@ -404,29 +453,29 @@ void FusedBlocksPlan::copy_block(char* d, Scratch& s, uint64_t t0, bool stream) 
   const SrcToken* from = s.from.data();
   for (int p = 0; p < 2; ++p) {
     const bool rotated = p == 0 && rotate_ != nullptr;
-    if (!lanes_[p].enabled() || (rotated && !lanes_[p].rotates())) {
+    if (!t_->lanes[p].enabled() || (rotated && !t_->lanes[p].rotates())) {
       if (rotated) {
         rotate_tokens(d, s, t0, 0, bs);
-      } else if (rows_[p].enabled()) {
-        rows_[p].copy(d, from, 0, bs, stream);
+      } else if (t_->rows[p].enabled()) {
+        t_->rows[p].copy(d, from, 0, bs, stream);
       } else {
         copy_tokens(p, d, from, 0, bs);
       }
       continue;
     }
-    lanes_[p].plan(from, s.groups, s.rest);
+    t_->lanes[p].plan(from, s.groups, s.rest);
     if (!s.groups.empty()) {
-      lanes_[p].run(d, s.groups, stream);
+      t_->lanes[p].run(d, s.groups, stream);
       if (rotated) {
         unit_tables(s, t0);
-        lanes_[p].rotate(d, s.groups, stream, s.cos_t.data(), s.sin_t.data());
+        t_->lanes[p].rotate(d, s.groups, stream, s.cos_t.data(), s.sin_t.data());
       }
     }
     for (const TokenRange& r : s.rest) {
       if (rotated) {
         rotate_tokens(d, s, t0, r.first, r.last);
-      } else if (rows_[p].enabled()) {
-        rows_[p].copy(d, from, r.first, r.last, stream);
+      } else if (t_->rows[p].enabled()) {
+        t_->rows[p].copy(d, from, r.first, r.last, stream);
       } else {
         copy_tokens(p, d, from, r.first, r.last);
       }

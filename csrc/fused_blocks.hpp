@@ -31,6 +31,7 @@
 #pragma once
 
 #include <cstdint>
+#include <memory>
 #include <vector>
 
 #include "fused_chunks.hpp"
@@ -45,6 +46,10 @@ struct FusedBlocksArgs : FusedChunkArgs {
   uint64_t block_size = 0, head_size = 0;  // BS, HS (width = NH * 2 * HS)
   std::vector<int64_t> tok_off, dim_off;   // [2, BS], [2, HS], row-major
 };
+
+// Engine geometries whose tables were planned so far in this process (tables() planned
+// them rather than reusing kept ones); for tests and benches.
+uint64_t fused_block_tables_planned();
 
 class FusedBlocksPlan {
  public:
@@ -76,6 +81,13 @@ class FusedBlocksPlan {
     bool elementwise = false;
     std::vector<uint64_t> lane;  // [BS]; all 1 when seg_len is 0
   };
+  // The engine geometry's checked tables and how each plane moves: the same for every
+  // call with the same block tables, so planned once and kept (tables()).
+  struct Tables {
+    PlaneCopy copy[2];
+    LaneGroups lanes[2];  // a plane's lane groups (fused_tiles.hpp), when it has lanes
+    TokenRows rows[2];    // a plane of one run per token and head (fused_vrows.hpp)
+  };
   using SrcToken = BlockToken;  // where a token of a destination block comes from
   // One task's scratch, reused unit after unit.
   struct Scratch {
@@ -89,12 +101,13 @@ class FusedBlocksPlan {
 
   static uint64_t checked_chunk_nbytes(const FusedBlocksArgs& a);  // validates the geometry
   static void append_cell(std::vector<Seg>& segs, int64_t r);
-  void check_tables();
+  void check_tables() const;
   void check_cells() const;
   void check_cell(std::vector<int64_t>& owner, uint64_t code, int64_t r, int64_t c) const;
-  void plan_copies();
-  void plan_tiles(int p);
-  void plan_lanes(int p);
+  std::shared_ptr<const Tables> tables() const;  // kept, or checked and planned now
+  void plan_copies(Tables& t) const;
+  void plan_tiles(int p, PlaneCopy& c) const;
+  void plan_lanes(int p, LaneGroups& lanes) const;
   void run_units(uint64_t first, uint64_t last, bool stream) const;
   void run_unit(uint64_t unit, Scratch& s) const;
   void copy_plane(int p, char* d, uint64_t dtb, const char* s, uint64_t stb, uint64_t n) const;
@@ -109,9 +122,7 @@ class FusedBlocksPlan {
   FusedBlocksArgs a_;
   uint64_t chunk_nbytes_ = 0;
   FusedChunks io_;  // validated regions, ids, index and tables
-  PlaneCopy copy_[2];
-  LaneGroups lanes_[2];       // a plane's lane groups (fused_tiles.hpp), when it has lanes
-  TokenRows rows_[2];         // a plane of one run per token and head (fused_vrows.hpp)
+  std::shared_ptr<const Tables> t_;
   std::vector<char> cold_;    // destination j's pages are mostly not in memory yet
   RowGeom geom_{};            // one head of K, for the rotation
   RotateFn rotate_ = nullptr;  // nullptr: no rotation

@@ -939,6 +939,7 @@ PYBIND11_MODULE(_native, m) {
     d["staged_box_bytes"] = staged_box_bytes();
     d["staged_box_direct_bytes"] = staged_box_direct_bytes();
     d["pool_jobs"] = pool_jobs();
+    d["fused_block_tables"] = fused_block_tables_planned();
     return d;
   });
   m.def("set_cold_uffd", &set_uffd_enabled, "enabled"_a,

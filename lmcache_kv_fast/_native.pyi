@@ -353,10 +353,11 @@ def copy_stats() -> dict[str, int]:
     ``file_writes_disabled`` (1 once a write failed other than with ENOSPC/EDQUOT),
     ``uffd_fill_bytes`` (placed with ``UFFDIO_COPY``), ``uffd_unavailable`` (1 when
     userfaultfd could not be used in this process), ``staged_box_bytes`` (strided
-    copies moved through per-thread staging boxes, ``csrc/strided_copy.cpp``) and
+    copies moved through per-thread staging boxes, ``csrc/strided_copy.cpp``),
     ``staged_box_direct_bytes`` (of those, the ones whose 32 x 32 tiles were streamed
-    from the staged source straight to the destination) and ``pool_jobs`` (copies
-    split over the copy pool).
+    from the staged source straight to the destination), ``pool_jobs`` (copies
+    split over the copy pool) and ``fused_block_tables`` (engine block geometries
+    ``fused_blocks`` checked and planned; calls with kept tables do not count).
     """
 
 def set_cold_uffd(enabled: bool) -> None:
