@@ -301,6 +301,7 @@ void FusedBlocksPlan::plan_copies(Tables& t) const {
     plan_tiles(p, c);
     plan_lanes(p, t.lanes[p]);
     if (c.segs.size() == 1) t.rows[p] = TokenRows(tok, off, bs, hs, a_.width, a_.itemsize);
+    t.pairs[p] = TokenPairs(tok, off, bs, hs, a_.width, a_.itemsize);
   }
 }
 
@@ -318,6 +319,7 @@ void FusedBlocksPlan::plan_lanes(int p, LaneGroups& lanes) const {
   }
   lanes = LaneGroups(a_.tok_off.data() + p * a_.block_size, a_.block_size, a_.itemsize,
                      std::move(rows));
+  if (rotary == 0 && !lanes.enabled()) lanes = pair_lanes(p);
   if (rotary == 0) return;
   std::vector<LanePair> pairs;
   for (uint64_t i = 0; i < half; ++i) {
@@ -325,6 +327,31 @@ void FusedBlocksPlan::plan_lanes(int p, LaneGroups& lanes) const {
     for (uint64_t h = 0; h < heads; ++h) pairs.push_back(LanePair{row(h, da), row(h, db), i});
   }
   lanes.set_rotation(std::move(pairs));
+}
+
+// Plane p's lane groups over 4-byte elements, each a token's pair of dims 2i, 2i + 1, when
+// those are adjacent and every token's cells start on an even element (2-byte items):
+// amx's K, a block's tokens in runs of 16 pairs per (head, pair of dims) = one 64-byte
+// line, whose destination lines each gather from at most a few source lines. A disabled
+// LaneGroups (the token path) where the plane is not like that.
+LaneGroups FusedBlocksPlan::pair_lanes(int p) const {
+  const uint64_t bs = a_.block_size, hs = a_.head_size, heads = a_.width / (2 * hs);
+  const int64_t* off = a_.dim_off.data() + p * hs;
+  const int64_t* tok = a_.tok_off.data() + p * bs;
+  bool pairs = a_.itemsize == 2 && hs % 2 == 0;
+  for (uint64_t i = 0; pairs && i < hs / 2; ++i) {
+    pairs = off[2 * i] % 2 == 0 && off[2 * i + 1] == off[2 * i] + 1;
+  }
+  for (uint64_t tb = 0; pairs && tb < bs; ++tb) pairs = tok[tb] % 2 == 0;
+  if (!pairs) return LaneGroups();
+  std::vector<int64_t> tok4(bs), rows;  // in 4-byte elements
+  for (uint64_t tb = 0; tb < bs; ++tb) tok4[tb] = tok[tb] / 2;
+  for (uint64_t i = 0; i < hs / 2; ++i) {
+    for (uint64_t h = 0; h < heads; ++h) {
+      rows.push_back((static_cast<int64_t>(h * 2 * hs) + off[2 * i]) / 2);
+    }
+  }
+  return LaneGroups(tok4.data(), bs, 4, std::move(rows));
 }
 
 // Tiles of n = BS, BS/2, .. 2 tokens (halving while even) where every aligned group of n
@@ -445,41 +472,42 @@ void FusedBlocksPlan::copy_tokens(int p, char* d, const SrcToken* from, uint64_t
 
 // One destination block (d: its first byte; token tb from `s.from[tb]`, output token
 // t0 + tb), plane by plane: by lane groups where the plane has them (fused_tiles.hpp;
-// `stream`: they may use non-temporal stores), by token rows where the plane has those
-// (fused_vrows.hpp, likewise), every other token by copy_tokens, or rotate_tokens for a
-// rotated K.
+// `stream`: they may use non-temporal stores), the other tokens by copy_range.
 void FusedBlocksPlan::copy_block(char* d, Scratch& s, uint64_t t0, bool stream) const {
   const uint64_t bs = a_.block_size;
-  const SrcToken* from = s.from.data();
   for (int p = 0; p < 2; ++p) {
     const bool rotated = p == 0 && rotate_ != nullptr;
-    if (!t_->lanes[p].enabled() || (rotated && !t_->lanes[p].rotates())) {
-      if (rotated) {
-        rotate_tokens(d, s, t0, 0, bs);
-      } else if (t_->rows[p].enabled()) {
-        t_->rows[p].copy(d, from, 0, bs, stream);
-      } else {
-        copy_tokens(p, d, from, 0, bs);
-      }
+    const LaneGroups& lanes = t_->lanes[p];
+    if (!lanes.enabled() || (rotated && !lanes.rotates())) {
+      copy_range(p, d, s, t0, 0, bs, stream);
       continue;
     }
-    t_->lanes[p].plan(from, s.groups, s.rest);
+    lanes.plan(s.from.data(), s.groups, s.rest);
     if (!s.groups.empty()) {
-      t_->lanes[p].run(d, s.groups, stream);
+      lanes.run(d, s.groups, stream);
       if (rotated) {
         unit_tables(s, t0);
-        t_->lanes[p].rotate(d, s.groups, stream, s.cos_t.data(), s.sin_t.data());
+        lanes.rotate(d, s.groups, stream, s.cos_t.data(), s.sin_t.data());
       }
     }
-    for (const TokenRange& r : s.rest) {
-      if (rotated) {
-        rotate_tokens(d, s, t0, r.first, r.last);
-      } else if (t_->rows[p].enabled()) {
-        t_->rows[p].copy(d, from, r.first, r.last, stream);
-      } else {
-        copy_tokens(p, d, from, r.first, r.last);
-      }
-    }
+    for (const TokenRange& r : s.rest) copy_range(p, d, s, t0, r.first, r.last, stream);
+  }
+}
+
+// Plane p of destination tokens [first, last) of one block without lane groups: a rotated
+// K by rotate_tokens; else by token rows or token pairs where the plane has those
+// (fused_vrows.hpp, fused_vpairs.hpp), every other token by copy_tokens.
+void FusedBlocksPlan::copy_range(int p, char* d, Scratch& s, uint64_t t0, uint64_t first,
+                                 uint64_t last, bool stream) const {
+  const SrcToken* from = s.from.data();
+  if (p == 0 && rotate_ != nullptr) {
+    rotate_tokens(d, s, t0, first, last);
+  } else if (t_->rows[p].enabled()) {
+    t_->rows[p].copy(d, from, first, last, stream);
+  } else if (t_->pairs[p].enabled() && first % 2 == 0 && last % 2 == 0) {
+    t_->pairs[p].copy(d, from, first, last, stream);
+  } else {
+    copy_tokens(p, d, from, first, last);
   }
 }
 

@@ -26,8 +26,11 @@
 // turned pair of rows by pair of rows), streaming whole cache lines into warm destinations
 // when a copy of the call's size would stream (copy_kernels.hpp); a plane whose token is
 // one run of HS elements per head (V of vec / vec16) by whole raw rows where source and
-// destination groups match, else token by token with 64-byte moves (fused_vrows.hpp);
-// every other token as before.
+// destination groups match, else token by token with 64-byte moves (fused_vrows.hpp); a
+// plane of a token's dims in adjacent pairs (K of amx, unrotated) by lane groups of 4-byte
+// elements; a plane of interleaved token pairs (V of amx) line by line, one permute per
+// destination line (fused_vpairs.hpp); every other token as before. A geometry's tables
+// and these plans are kept across calls (the last 8 geometries).
 #pragma once
 
 #include <cstdint>
@@ -36,6 +39,7 @@
 
 #include "fused_chunks.hpp"
 #include "fused_tiles.hpp"
+#include "fused_vpairs.hpp"
 #include "fused_vrows.hpp"
 #include "rope_rotate.hpp"
 
@@ -87,6 +91,7 @@ class FusedBlocksPlan {
     PlaneCopy copy[2];
     LaneGroups lanes[2];  // a plane's lane groups (fused_tiles.hpp), when it has lanes
     TokenRows rows[2];    // a plane of one run per token and head (fused_vrows.hpp)
+    TokenPairs pairs[2];  // a plane of interleaved token pairs (fused_vpairs.hpp)
   };
   using SrcToken = BlockToken;  // where a token of a destination block comes from
   // One task's scratch, reused unit after unit.
@@ -108,12 +113,15 @@ class FusedBlocksPlan {
   void plan_copies(Tables& t) const;
   void plan_tiles(int p, PlaneCopy& c) const;
   void plan_lanes(int p, LaneGroups& lanes) const;
+  LaneGroups pair_lanes(int p) const;
   void run_units(uint64_t first, uint64_t last, bool stream) const;
   void run_unit(uint64_t unit, Scratch& s) const;
   void copy_plane(int p, char* d, uint64_t dtb, const char* s, uint64_t stb, uint64_t n) const;
   const Tile* tile_for(int p, uint64_t tb, const SrcToken& f, uint64_t most) const;
   void copy_tokens(int p, char* d, const SrcToken* from, uint64_t first, uint64_t last) const;
   void copy_block(char* d, Scratch& s, uint64_t t0, bool stream) const;
+  void copy_range(int p, char* d, Scratch& s, uint64_t t0, uint64_t first, uint64_t last,
+                  bool stream) const;
   void rotate_tokens(char* d, Scratch& s, uint64_t t0, uint64_t first, uint64_t last) const;
   void unit_tables(Scratch& s, uint64_t t0) const;
   void rotate_k(char* d, uint64_t dtb, const char* s, uint64_t stb, uint64_t t,

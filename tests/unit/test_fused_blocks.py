@@ -428,14 +428,25 @@ def test_lane_windows_read_nothing_past_their_source_objects(dtype: torch.dtype,
     _guarded_call("vec", dtype, bs, 64, kind, k_last=True)
 
 
+@pytest.mark.parametrize("bs,hs,kind", [(32, 64, "drop10"), (64, 32, "shift"),
+                                         (32, 32, "reverse")])
+def test_pair_lanes_read_nothing_past_their_source_objects(bs: int, hs: int, kind: str,
+                                                           isa: str) -> None:
+    """amx's K in lane groups of token pairs of dims stays inside its objects (K last)."""
+    _guarded_call("amx", torch.bfloat16, bs, hs, kind, k_last=True)
+
+
 @pytest.mark.parametrize("kernel,dtype,bs,hs,kind", [
     ("vec", torch.bfloat16, 128, 64, "drop10"), ("vec", torch.bfloat16, 128, 64, "same"),
     ("vec", torch.float32, 64, 64, "shift1"), ("vec16", torch.float16, 96, 48, "runs"),
-    ("vec16", torch.bfloat16, 32, 16, "shift1"), ("vec16", torch.float32, 32, 16, "runs")])
+    ("vec16", torch.bfloat16, 32, 16, "shift1"), ("vec16", torch.float32, 32, 16, "runs"),
+    ("amx", torch.bfloat16, 32, 64, "drop10"), ("amx", torch.bfloat16, 64, 32, "shift1"),
+    ("amx", torch.bfloat16, 32, 32, "same")])
 def test_token_rows_read_nothing_past_their_source_objects(kernel: str, dtype: torch.dtype,
                                                            bs: int, hs: int, kind: str,
                                                            isa: str, stores: bool) -> None:
-    """V's rows and token runs (masked tails too) stop at their objects' last element.
+    """V's rows, token runs (masked tails too) and amx's token pairs stop at their objects'
+    last element.
 
     In an engine's blocks V's rows come last, so the last V row of a one-block chunk ends
     its object, right before a PROT_NONE page.

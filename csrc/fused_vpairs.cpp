@@ -1,0 +1,90 @@
+#include "fused_vpairs.hpp"
+
+#include "line_store.hpp"
+
+// GCC's intrinsic headers build undefined vectors as `__Y = __Y`, which -O1 (the
+// sanitizer build) reports as maybe-uninitialized at every use: not this code's values.
+#pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
+
+#if defined(__x86_64__)
+#include <immintrin.h>
+#endif
+
+namespace lmckv {
+
+namespace {
+
+#if defined(__x86_64__)
+#define LMCKV_PAIRS_TARGET __attribute__((target("avx512f,avx512bw")))
+
+// The permute indices of a destination line: its even places from table a at parity pa,
+// its odd places from table b (+ 32) at parity pb.
+LMCKV_PAIRS_TARGET __m512i pair_index(unsigned pa, unsigned pb) {
+  alignas(64) uint16_t idx[32];
+  for (unsigned i = 0; i < 16; ++i) {
+    idx[2 * i] = static_cast<uint16_t>(2 * i + pa);
+    idx[2 * i + 1] = static_cast<uint16_t>(32 + 2 * i + pb);
+  }
+  return _mm512_load_si512(idx);
+}
+
+// One destination pair: every (head, 16 dims) line, from the lines of its two tokens.
+template <bool S>
+LMCKV_PAIRS_TARGET void pair_lines(char* dst, const char* a, const char* b, unsigned pa,
+                                   unsigned pb, const int64_t* cols, uint64_t ncols) {
+  if (a == b && pa == 0 && pb == 1) {  // an aligned source pair: the lines as they are
+    for (uint64_t c = 0; c < ncols; ++c) {
+      store_line<S>(dst + cols[c], _mm512_loadu_si512(a + cols[c]));
+    }
+    return;
+  }
+  const __m512i idx = pair_index(pa, pb);
+  for (uint64_t c = 0; c < ncols; ++c) {
+    const __m512i va = _mm512_loadu_si512(a + cols[c]), vb = _mm512_loadu_si512(b + cols[c]);
+    store_line<S>(dst + cols[c], _mm512_permutex2var_epi16(va, idx, vb));
+  }
+}
+#endif
+
+}  // namespace
+
+TokenPairs::TokenPairs(const int64_t* tok, const int64_t* dim, uint64_t bs, uint64_t hs,
+                       uint64_t width, uint64_t itemsize) {
+  if (itemsize != 2 || bs % 2 != 0 || hs % 16 != 0 || fused_blocks_isa() != "avx512") return;
+  for (uint64_t k = 0; k < bs; k += 2) {
+    if (tok[k + 1] != tok[k] + 1) return;
+  }
+  for (uint64_t j = 0; j < hs; j += 16) {
+    for (uint64_t i = 0; i < 16; ++i) {
+      if (dim[j + i] != dim[j] + static_cast<int64_t>(2 * i)) return;
+    }
+  }
+#if defined(__x86_64__)
+  pair_at_.resize(bs);
+  for (uint64_t tb = 0; tb < bs; ++tb) pair_at_[tb] = tok[tb & ~uint64_t{1}] * 2;
+  const uint64_t heads = width / (2 * hs);
+  aligned_ = true;
+  for (uint64_t h = 0; h < heads; ++h) {
+    for (uint64_t j = 0; j < hs; j += 16) {
+      cols_.push_back((static_cast<int64_t>(h * 2 * hs) + dim[j]) * 2);
+      for (uint64_t tb = 0; tb < bs; tb += 2) aligned_ = aligned_ && (pair_at_[tb] + cols_.back()) % 64 == 0;
+    }
+  }
+  fn_ = &pair_lines<false>;
+  stream_fn_ = &pair_lines<true>;
+#endif
+}
+
+void TokenPairs::copy(char* dst, const BlockToken* from, uint64_t first, uint64_t last,
+                      bool stream) const {
+  const PairLinesFn fn =
+      stream && aligned_ && reinterpret_cast<uintptr_t>(dst) % 64 == 0 ? stream_fn_ : fn_;
+  for (uint64_t tb = first; tb + 1 < last; tb += 2) {
+    const BlockToken &a = from[tb], &b = from[tb + 1];
+    fn(dst + pair_at_[tb], a.block + pair_at_[a.tb], b.block + pair_at_[b.tb],
+       static_cast<unsigned>(a.tb & 1), static_cast<unsigned>(b.tb & 1), cols_.data(),
+       cols_.size());
+  }
+}
+
+}  // namespace lmckv
