@@ -319,7 +319,10 @@ void FusedBlocksPlan::plan_lanes(int p, LaneGroups& lanes) const {
   }
   lanes = LaneGroups(a_.tok_off.data() + p * a_.block_size, a_.block_size, a_.itemsize,
                      std::move(rows));
-  if (rotary == 0 && !lanes.enabled()) lanes = pair_lanes(p);
+  if (!lanes.enabled()) {
+    lanes = pair_lanes(p);
+    return;
+  }
   if (rotary == 0) return;
   std::vector<LanePair> pairs;
   for (uint64_t i = 0; i < half; ++i) {
@@ -329,29 +332,43 @@ void FusedBlocksPlan::plan_lanes(int p, LaneGroups& lanes) const {
   lanes.set_rotation(std::move(pairs));
 }
 
-// Plane p's lane groups over 4-byte elements, each a token's pair of dims 2i, 2i + 1, when
+// Plane p's lane groups over 4-byte elements, each a token's pair of dims 2m, 2m + 1, when
 // those are adjacent and every token's cells start on an even element (2-byte items):
 // amx's K, a block's tokens in runs of 16 pairs per (head, pair of dims) = one 64-byte
-// line, whose destination lines each gather from at most a few source lines. A disabled
-// LaneGroups (the token path) where the plane is not like that.
+// line, whose destination lines each gather from at most a few source lines. A rotated K
+// (neox, rotary_dim a multiple of 4) turns rows m and m + rotary / 4 of its rotary pairs
+// together; the other rows are copied. A disabled LaneGroups (the token path) where the
+// plane is not like that.
 LaneGroups FusedBlocksPlan::pair_lanes(int p) const {
   const uint64_t bs = a_.block_size, hs = a_.head_size, heads = a_.width / (2 * hs);
+  const uint64_t rotary = p == 0 ? a_.rotary_dim : 0, quarter = rotary / 4;
   const int64_t* off = a_.dim_off.data() + p * hs;
   const int64_t* tok = a_.tok_off.data() + p * bs;
-  bool pairs = a_.itemsize == 2 && hs % 2 == 0;
+  bool pairs = a_.itemsize == 2 && hs % 2 == 0 && rotary % 4 == 0 &&
+               (rotary == 0 || (!a_.interleaved && a_.dtype == EditDType::kBF16));
   for (uint64_t i = 0; pairs && i < hs / 2; ++i) {
     pairs = off[2 * i] % 2 == 0 && off[2 * i + 1] == off[2 * i] + 1;
   }
   for (uint64_t tb = 0; pairs && tb < bs; ++tb) pairs = tok[tb] % 2 == 0;
   if (!pairs) return LaneGroups();
-  std::vector<int64_t> tok4(bs), rows;  // in 4-byte elements
+  auto row = [&](uint64_t h, uint64_t m) {  // in 4-byte elements
+    return (static_cast<int64_t>(h * 2 * hs) + off[2 * m]) / 2;
+  };
+  std::vector<int64_t> tok4(bs), rows;
   for (uint64_t tb = 0; tb < bs; ++tb) tok4[tb] = tok[tb] / 2;
-  for (uint64_t i = 0; i < hs / 2; ++i) {
+  for (uint64_t m = rotary / 2; m < hs / 2; ++m) {
+    for (uint64_t h = 0; h < heads; ++h) rows.push_back(row(h, m));
+  }
+  LaneGroups lanes(tok4.data(), bs, 4, std::move(rows));
+  if (rotary == 0) return lanes;
+  std::vector<LanePair> turned;
+  for (uint64_t m = 0; m < quarter; ++m) {
     for (uint64_t h = 0; h < heads; ++h) {
-      rows.push_back((static_cast<int64_t>(h * 2 * hs) + off[2 * i]) / 2);
+      turned.push_back(LanePair{row(h, m), row(h, m + quarter), 2 * m});
     }
   }
-  return LaneGroups(tok4.data(), bs, 4, std::move(rows));
+  lanes.set_rotation(std::move(turned), true);
+  return lanes;
 }
 
 // Tiles of n = BS, BS/2, .. 2 tokens (halving while even) where every aligned group of n

@@ -27,10 +27,10 @@
 // when a copy of the call's size would stream (copy_kernels.hpp); a plane whose token is
 // one run of HS elements per head (V of vec / vec16) by whole raw rows where source and
 // destination groups match, else token by token with 64-byte moves (fused_vrows.hpp); a
-// plane of a token's dims in adjacent pairs (K of amx, unrotated) by lane groups of 4-byte
-// elements; a plane of interleaved token pairs (V of amx) line by line, one permute per
-// destination line (fused_vpairs.hpp); every other token as before. A geometry's tables
-// and these plans are kept across calls (the last 8 geometries).
+// plane of a token's dims in adjacent pairs (K of amx, plain or neox-rotated) by lane
+// groups of 4-byte elements; a plane of interleaved token pairs (V of amx) line by line,
+// one permute per destination line (fused_vpairs.hpp); every other token as before. A
+// geometry's tables and these plans are kept across calls (the last 8 geometries).
 #pragma once
 
 #include <cstdint>

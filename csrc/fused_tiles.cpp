@@ -135,6 +135,45 @@ LMCKV_LANE_TARGET inline void turn_group(char* dst, const LaneGroup& g, const La
   }
 }
 
+// One group's pair of rows of bfloat16 dim pairs (4-byte elements: dims 2m, 2m + 1 of a
+// token, amx's K) turned: dim 2m of row a with dim 2m of row b by pair i = 2m of the
+// rotation (c0, s0), dims 2m + 1 by pair i + 1 (c1, s1), in turn's roundings.
+template <bool S>
+LMCKV_LANE_TARGET inline void turn_dim_pairs(char* dst, const LaneGroup& g, const LanePair& pr,
+                                             const float* c0, const float* s0, const float* c1,
+                                             const float* s1) {
+  const __m512i va = group_row<4>(g, pr.a), vb = group_row<4>(g, pr.b);
+  const __m512i hi = _mm512_set1_epi32(static_cast<int>(0xffff0000u));
+  __m512 a0 = _mm512_castsi512_ps(_mm512_slli_epi32(va, 16));
+  __m512 b0 = _mm512_castsi512_ps(_mm512_slli_epi32(vb, 16));
+  __m512 a1 = _mm512_castsi512_ps(_mm512_and_si512(va, hi));
+  __m512 b1 = _mm512_castsi512_ps(_mm512_and_si512(vb, hi));
+  turn(a0, b0, _mm512_loadu_ps(c0), _mm512_loadu_ps(s0));
+  turn(a1, b1, _mm512_loadu_ps(c1), _mm512_loadu_ps(s1));
+  auto join = [](__m512 even, __m512 odd) LMCKV_LANE_TARGET {
+    return _mm512_or_si512(_mm512_cvtepu16_epi32(bf16x16_narrow(even)),
+                           _mm512_slli_epi32(_mm512_cvtepu16_epi32(bf16x16_narrow(odd)), 16));
+  };
+  store_line<S>(dst + (pr.a + g.dst), join(a0, a1));
+  store_line<S>(dst + (pr.b + g.dst), join(b0, b1));
+}
+
+// Every pair of rows of dim pairs, every group (as lane_pairs; pr.i is the even dim's
+// rotation pair).
+template <bool S>
+LMCKV_LANE_TARGET void lane_dim_pairs(char* dst, const LaneGroup* groups, uint64_t n,
+                                      const LanePair* pairs, uint64_t npairs,
+                                      const float* cos_t, const float* sin_t, uint64_t bs) {
+  for (uint64_t p = 0; p < npairs; ++p) {
+    const LanePair& pr = pairs[p];
+    for (uint64_t k = 0; k < n; ++k) {
+      const uint64_t at = pr.i * bs + groups[k].t0;
+      turn_dim_pairs<S>(dst, groups[k], pr, cos_t + at, sin_t + at, cos_t + at + bs,
+                        sin_t + at + bs);
+    }
+  }
+}
+
 // Every pair of rows, every group (pairs outermost: a pair's rows, head after head, are
 // walked in order).
 template <size_t E, bool S>
@@ -304,7 +343,7 @@ void LaneGroups::run(char* dst, const std::vector<LaneGroup>& groups, bool strea
                                                     rows_.data(), rows_.size());
 }
 
-void LaneGroups::set_rotation(std::vector<LanePair> pairs) {
+void LaneGroups::set_rotation(std::vector<LanePair> pairs, bool dim_pairs) {
   pairs_ = std::move(pairs);
   const auto e = static_cast<int64_t>(e_);
   for (LanePair& p : pairs_) {
@@ -313,6 +352,14 @@ void LaneGroups::set_rotation(std::vector<LanePair> pairs) {
     rows_aligned_ = rows_aligned_ && p.a % 64 == 0 && p.b % 64 == 0;
   }
   if (fn_ == nullptr) return;
+  if (dim_pairs) {
+    if (e_ != 4) return;
+#if defined(__x86_64__)
+    rot_fn_ = &lane_dim_pairs<false>;
+    rot_stream_fn_ = &lane_dim_pairs<true>;
+#endif
+    return;
+  }
   rot_fn_ = lane_pairs_for<false>(e_);
   rot_stream_fn_ = lane_pairs_for<true>(e_);
 }

@@ -92,8 +92,10 @@ class LaneGroups {
   // is a whole aligned cache line (the caller fences them).
   void run(char* dst, const std::vector<LaneGroup>& groups, bool stream) const;
   // K rotated in the lanes: these pairs of rows (offsets in elements) are turned by rotate
-  // instead of copied by run (whose rows are then the other dims').
-  void set_rotation(std::vector<LanePair> pairs);
+  // instead of copied by run (whose rows are then the other dims'). `dim_pairs`: the
+  // elements are 4-byte pairs of bfloat16 dims 2m, 2m + 1 (amx's K), turned by rotation
+  // pairs i and i + 1 (LanePair::i = 2m).
+  void set_rotation(std::vector<LanePair> pairs, bool dim_pairs = false);
   bool rotates() const { return rot_fn_ != nullptr; }
   // Every pair of rows of the planned groups, turned by cos_t / sin_t ([pair][BS] floats:
   // pair i of the unit's token tb at i * BS + tb).
