@@ -216,8 +216,11 @@ class Channel(ChannelBase):
                 self.unresponsive = True
                 raise ServerTimeoutError(self._client.timeout_message(call.op, timeout))
             wait_ms = max(1, min(int(remaining * 1000) + 1, POLL_SLICE_MS))
-            if self.sock.poll(wait_ms, zmq.POLLIN):
-                self._drain()
+            # a blocking receive (one slice at most): ~20 us of CPU less per reply than
+            # polling, then receiving without blocking (docs/performance.md)
+            frames = self._dealer.receive_within(wait_ms)
+            if frames is not None:
+                self._take(frames)
 
     def _drain(self) -> None:
         """Receive every reply available now; park those of in-flight uids."""
@@ -226,19 +229,23 @@ class Channel(ChannelBase):
                 frames = self.sock.recv_multipart(zmq.NOBLOCK, copy=False)
             except zmq.Again:
                 return
-            self.unresponsive = False  # the server is alive (even a late reply says so)
-            uid_frame = frames[0].bytes if frames else b""
-            if self._unacked.pop(uid_frame, None) is not None:
-                cb = self._on_ack.pop(uid_frame, None)
-                if cb is not None:
-                    cb(uid_frame)
-                continue  # the acknowledgement of a fired call
-            if uid_frame not in self._inflight:
-                logger.debug("dropping a reply for unknown or timed-out uid %r", uid_frame[:16])
-                continue
-            parts: list[Any] = [uid_frame, frames[1].bytes if len(frames) > 1 else b""]
-            parts.extend(f.buffer for f in frames[2:])
-            self._parked[uid_frame] = parts
+            self._take(frames)
+
+    def _take(self, frames: list[zmq.Frame]) -> None:
+        """One received reply: an acknowledgement, parked for its waiter, or dropped."""
+        self.unresponsive = False  # the server is alive (even a late reply says so)
+        uid_frame = frames[0].bytes if frames else b""
+        if self._unacked.pop(uid_frame, None) is not None:
+            cb = self._on_ack.pop(uid_frame, None)
+            if cb is not None:
+                cb(uid_frame)
+            return  # the acknowledgement of a fired call
+        if uid_frame not in self._inflight:
+            logger.debug("dropping a reply for unknown or timed-out uid %r", uid_frame[:16])
+            return
+        parts: list[Any] = [uid_frame, frames[1].bytes if len(frames) > 1 else b""]
+        parts.extend(f.buffer for f in frames[2:])
+        self._parked[uid_frame] = parts
 
     def ready(self, call: PendingCall) -> bool:
         """Whether the reply of ``call`` has arrived (never blocks; receives what is there)."""

@@ -49,6 +49,7 @@ class Dealer:
                  events: int = zmq.EVENT_DISCONNECTED, send_timeout: float = 5.0) -> None:
         self.monitor: zmq.Socket | None = None
         self._poller: zmq.Poller | None = None
+        self._rcvtimeo = -1  # the socket's RCVTIMEO (ms; -1: ZMQ's default, forever)
         self.url = endpoint if isinstance(endpoint, str) else endpoint.url
         self.send_timeout = max(0.001, float(send_timeout))
         self.sock: zmq.Socket = zctx.socket(zmq.DEALER)
@@ -109,6 +110,20 @@ class Dealer:
         """The next message if one is there (never blocks)."""
         try:
             return self.sock.recv_multipart(zmq.NOBLOCK)
+        except zmq.Again:
+            return None
+
+    def receive_within(self, timeout_ms: int) -> list[zmq.Frame] | None:
+        """The next message (its frames, not copied), waiting up to ``timeout_ms``; None.
+
+        Blocks in ZMQ's receive (GIL released) under ``RCVTIMEO``: the non-blocking
+        receives (:meth:`receive`) are not affected by it.
+        """
+        if timeout_ms != self._rcvtimeo:
+            self.sock.setsockopt(zmq.RCVTIMEO, timeout_ms)
+            self._rcvtimeo = timeout_ms
+        try:
+            return self.sock.recv_multipart(copy=False)
         except zmq.Again:
             return None
 
