@@ -205,14 +205,19 @@ def test_existing_056_program_runs_unchanged(tmp_path, openai_engine, engine_ser
         assert "Batched Stream Modify Metrics" in proc.stdout  # .emit() printed the reports
         return json.loads(out.read_text())["tokens"]
 
+    start = external_hits(openai_engine.metrics())
     theirs = run([sys.executable, "-m", "testbed.upstream_cpu",
                   engine_server.url, model_name, kernel(), str(PROGRAM)], "prog-upstream")
     before = external_hits(openai_engine.metrics())
     mine = run([sys.executable, str(ported)], "prog-ours")
     hits = external_hits(openai_engine.metrics()) - before
-    assert mine == theirs
     edited = [[p[i] for i in range(whole(len(p))) if i % 10 != 9] for p in prompts[:3]]
-    assert hits >= sum(whole(len(e)) for e in edited) > 0
+    want = sum(whole(len(e)) for e in edited)
+    # the engine decodes from the cached edit: with fewer hits on either side it recomputes
+    # some of it, and the outputs may differ for that reason alone
+    assert mine == theirs, f"engine cache hits: upstream's run {before - start}, ours {hits}, " \
+                           f"each at least {want} expected"
+    assert hits >= want > 0
 
 
 def test_in_process_vllm_hook(offline_engine, engine_server, prompts, ours):
