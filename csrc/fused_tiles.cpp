@@ -66,42 +66,60 @@ struct Lanes<4> {
   }
 };
 
-// One window's tokens of a group, in the group's order, for the row `row` bytes into each
-// block: only the window's elements from its first to its last token are read (the
-// masks; the second register only when they reach into it).
-template <size_t E>
-LMCKV_LANE_TARGET inline __m512i window(const LaneWindow& w, int64_t row) {
+// One window's tokens of a group, in the group's order, for R rows (`r`: each row's
+// bytes into every block): only the window's elements from its first to its last token
+// are read (the masks; the second register only when they reach into it). The window's
+// indices and masks are loaded once for the R rows.
+template <size_t E, int R>
+LMCKV_LANE_TARGET inline void window_rows(const LaneWindow& w, const int64_t* r, __m512i* out) {
   constexpr uint64_t kG = 64 / E;
-  const char* p = w.block + (row + w.base);
-  const __m512i lo = Lanes<E>::load(w.load, p);
+  const char* p = w.block + w.base;
+  const __m512i idx = _mm512_load_si512(w.idx);
   const uint64_t high = w.load >> kG;
-  const __m512i hi = high != 0 ? Lanes<E>::load(high, p + 64) : _mm512_setzero_si512();
-  return Lanes<E>::permute(lo, _mm512_load_si512(w.idx), hi);
-}
-
-// A group's G tokens of the row `row` bytes into each block: gathered from its windows,
-// or one plain load when it is straight.
-template <size_t E>
-LMCKV_LANE_TARGET inline __m512i group_row(const LaneGroup& g, int64_t row) {
-  if (g.straight) return _mm512_loadu_si512(g.win[0].block + (row + g.win[0].base));
-  __m512i acc = window<E>(g.win[0], row);
-  for (uint32_t s = 1; s < g.windows; ++s) {
-    acc = Lanes<E>::merge(acc, g.win[s].take, window<E>(g.win[s], row));
+  for (int i = 0; i < R; ++i) {
+    const __m512i hi = high != 0 ? Lanes<E>::load(high, p + r[i] + 64) : _mm512_setzero_si512();
+    out[i] = Lanes<E>::permute(Lanes<E>::load(w.load, p + r[i]), idx, hi);
   }
-  return acc;
 }
 
-// Every row, every group: rows outermost, so both blocks are walked in order (a group's
-// indices kept in registers over batches of rows, or groups outermost: 10-20% slower,
-// the walk matters more than the instructions here).
+// A group's G tokens of R rows: gathered from its windows, or plain loads when it is
+// straight.
+template <size_t E, int R>
+LMCKV_LANE_TARGET inline void group_rows(const LaneGroup& g, const int64_t* r, __m512i* out) {
+  if (g.straight) {
+    const char* p = g.win[0].block + g.win[0].base;
+    for (int i = 0; i < R; ++i) out[i] = _mm512_loadu_si512(p + r[i]);
+    return;
+  }
+  window_rows<E, R>(g.win[0], r, out);
+  for (uint32_t s = 1; s < g.windows; ++s) {
+    __m512i more[R];
+    window_rows<E, R>(g.win[s], r, more);
+    for (int i = 0; i < R; ++i) out[i] = Lanes<E>::merge(out[i], g.win[s].take, more[i]);
+  }
+}
+
+// Every group of R rows.
+template <size_t E, bool S, int R>
+LMCKV_LANE_TARGET inline void groups_of_rows(char* dst, const LaneGroup* groups, uint64_t n,
+                                             const int64_t* r) {
+  for (uint64_t k = 0; k < n; ++k) {
+    __m512i v[R];
+    group_rows<E, R>(groups[k], r, v);
+    for (int i = 0; i < R; ++i) store_line<S>(dst + (r[i] + groups[k].dst), v[i]);
+  }
+}
+
+// Every row, every group: rows outermost, two at a time, so both blocks are walked in
+// order and each group's indices and masks serve two rows (7-9% faster than one row at a
+// time; four or eight rows, or groups outermost, are not faster: docs/performance.md).
 template <size_t E, bool S>
 LMCKV_LANE_TARGET void lane_rows(char* dst, const LaneGroup* groups, uint64_t n,
                                  const int64_t* rows, uint64_t nrows) {
-  for (uint64_t r = 0; r < nrows; ++r) {
-    for (uint64_t k = 0; k < n; ++k) {
-      store_line<S>(dst + (rows[r] + groups[k].dst), group_row<E>(groups[k], rows[r]));
-    }
-  }
+  uint64_t r = 0;
+  for (; r + 2 <= nrows; r += 2) groups_of_rows<E, S, 2>(dst, groups, n, rows + r);
+  // an odd count does not come from an engine (HS is even)
+  if (r < nrows) groups_of_rows<E, S, 1>(dst, groups, n, rows + r);
 }
 
 // (a, b) -> (a c - b s, b c + a s) in rotate_body's roundings (rope_rotate.cpp): a c
@@ -117,7 +135,10 @@ LMCKV_LANE_TARGET inline void turn(__m512& a, __m512& b, __m512 c, __m512 s) {
 template <size_t E, bool S>
 LMCKV_LANE_TARGET inline void turn_group(char* dst, const LaneGroup& g, const LanePair& pr,
                                          const float* c, const float* s) {
-  const __m512i va = group_row<E>(g, pr.a), vb = group_row<E>(g, pr.b);
+  const int64_t r[2] = {pr.a, pr.b};
+  __m512i v[2];
+  group_rows<E, 2>(g, r, v);
+  const __m512i va = v[0], vb = v[1];
   if constexpr (E == 2) {
     __m512 a0 = bf16x16_widen(_mm512_castsi512_si256(va)), a1 = bf16x16_widen(_mm512_extracti64x4_epi64(va, 1));
     __m512 b0 = bf16x16_widen(_mm512_castsi512_si256(vb)), b1 = bf16x16_widen(_mm512_extracti64x4_epi64(vb, 1));
@@ -142,7 +163,10 @@ template <bool S>
 LMCKV_LANE_TARGET inline void turn_dim_pairs(char* dst, const LaneGroup& g, const LanePair& pr,
                                              const float* c0, const float* s0, const float* c1,
                                              const float* s1) {
-  const __m512i va = group_row<4>(g, pr.a), vb = group_row<4>(g, pr.b);
+  const int64_t r[2] = {pr.a, pr.b};
+  __m512i v[2];
+  group_rows<4, 2>(g, r, v);
+  const __m512i va = v[0], vb = v[1];
   const __m512i hi = _mm512_set1_epi32(static_cast<int>(0xffff0000u));
   __m512 a0 = _mm512_castsi512_ps(_mm512_slli_epi32(va, 16));
   __m512 b0 = _mm512_castsi512_ps(_mm512_slli_epi32(vb, 16));
