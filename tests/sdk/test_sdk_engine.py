@@ -6,8 +6,8 @@ prompt, and the streams decode from the edited cache: the engine reports the edi
 prefixes as external (LMCache) hits, the edits equal upstream's byte for byte, and the
 greedy outputs equal those of upstream's ``lmcache.sdk.batch`` run on the same inputs and
 engine, or part first at a near-tie of the engine's own logits (tests/sdk/greedy.py).
-Upstream needs a harness around it on a CPU engine: testbed/upstream_cpu.py. An unchanged 0.5.6 program
-(tests/sdk/programs/token_dropping_056.py) runs with either import line.
+Upstream needs a harness around it on a CPU engine: testbed/upstream_cpu.py. An unchanged
+0.5.6 program (tests/sdk/programs/token_dropping_056.py) runs with either import line.
 
 The runs use distinct cache salts, so no run can read another's edits (vLLM's prefix
 cache and LMCache both keep salts apart).
