@@ -4,6 +4,11 @@ Prefill a batch of prompts on vLLM's OpenAI-compatible server, drop every 10th t
 KV from each cached prompt, then decode from the edited cache. The tests run this file
 unchanged with ``import lmcache.sdk as lmc_sdk`` and with that one line replaced by
 ``import lmcache_kv_fast.sdk as lmc_sdk``.
+
+One line differs from the example's hook: it yields every token of an event, where the
+example yields only ``logprobs.tokens[-1]``. vLLM merges a request's deltas when its API
+server falls behind (``RequestOutputCollector``), so the example then loses a token (one
+CI run: 709 tokens against 710).
 """
 
 import argparse
@@ -29,8 +34,10 @@ def make_post_completion(vllm_url, model):
                 if data == b"[DONE]":
                     break
                 choice = json.loads(data)["choices"][0]
-                token = choice["logprobs"]["tokens"][-1]  # "token_id:N"
-                yield lmc_sdk.request.TokenEvent(int(token.split(":")[1]), choice["text"])
+                *merged, last = choice["logprobs"]["tokens"]  # "token_id:N" each
+                for token in merged:
+                    yield lmc_sdk.request.TokenEvent(int(token.split(":")[1]), "")
+                yield lmc_sdk.request.TokenEvent(int(last.split(":")[1]), choice["text"])
 
     return post_completion
 
