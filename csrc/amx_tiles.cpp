@@ -1,5 +1,7 @@
 #include "amx_tiles.hpp"
 
+#include <cstring>
+
 #if defined(__x86_64__)
 #include <cpuid.h>
 #include <sys/syscall.h>
@@ -33,11 +35,28 @@ bool available() {
 #ifdef LMCKV_AMX
 namespace {
 
-struct TileConfig {
+struct alignas(64) TileConfig {
   uint8_t palette = 1, start_row = 0, reserved[14] = {};
   uint16_t colsb[16] = {};
   uint8_t rows[16] = {};
 };
+static_assert(sizeof(TileConfig) == 64, "ldtilecfg reads 64 bytes");
+
+// Every tile 16 rows of 64 bytes (16 float32 or 32 bfloat16 columns); tiles 8..15 (not
+// in palette 1) all zero, as ldtilecfg requires.
+constexpr TileConfig tile_shapes() {
+  TileConfig cfg;
+  for (int i = 0; i < 8; ++i) {
+    cfg.rows[i] = kTile;
+    cfg.colsb[i] = 64;
+  }
+  return cfg;
+}
+
+// A constant, not a stack object: GCC 12's _tile_loadconfig tells the compiler it reads
+// only 8 bytes, so the stores of a local config were dropped as dead and ldtilecfg read
+// stack garbage (a #GP in CI). The "m" operand below is the whole 64-byte object.
+alignas(64) constexpr TileConfig kShapes = tile_shapes();
 
 // Two row blocks of 16 (tmm4/5 and tmm6/7 hold their A tiles) against every key block:
 // head_dim 64 or less (one or two 32-element k steps).
@@ -97,26 +116,43 @@ LMCKV_AMX_TARGET void rows_x1(const uint16_t* a, uint64_t hd, const uint32_t* b,
 
 }  // namespace
 
-// The tile shapes: every tile 16 rows of 64 bytes (16 float32 or 32 bfloat16 columns).
-LMCKV_AMX_TARGET void configure_tiles() {
-  TileConfig cfg;
-  for (int i = 0; i < 8; ++i) {
-    cfg.rows[i] = kTile;
-    cfg.colsb[i] = 64;
-  }
-  _tile_loadconfig(&cfg);
-}
+LMCKV_AMX_TARGET void configure_tiles() { __asm__ volatile("ldtilecfg %0" ::"m"(kShapes)); }
 
 LMCKV_AMX_TARGET void release_tiles() { _tile_release(); }
 
 LMCKV_AMX_TARGET void dot_rows(const uint16_t* a, uint64_t rows, uint64_t hd,
                                const uint32_t* b, uint64_t tokens, float* lg, uint64_t ld) {
+  // GCC's tileloadd asm takes only the address, not the memory behind it: without this
+  // barrier the compiler may sink or drop the stores of a and b that it reads (LTO inlines
+  // this into the callers that pack them).
+  __asm__ volatile("" ::: "memory");
   if (rows == 2 * kTile && hd <= 64) {
     rows_x2_small(a, hd, b, tokens, lg, ld);
     return;
   }
   for (uint64_t r = 0; r < rows; r += kTile) rows_x1(a + r * hd, hd, b, tokens, lg + r * ld, ld);
 }
+
+namespace {
+// Fills the stack below the caller's frame with bytes no tile shape has.
+__attribute__((noinline)) void scribble_stack() {
+  volatile uint8_t junk[4096];
+  for (auto& b : junk) b = 0xA5;
+}
+}  // namespace
+
+bool loaded_shapes(uint8_t out[64]) {
+  if (!available()) return false;
+  scribble_stack();
+  configure_tiles();
+  TileConfig got{};
+  __asm__ volatile("sttilecfg %0" : "=m"(got));
+  release_tiles();
+  std::memcpy(out, &got, sizeof(got));
+  return true;
+}
+#else
+bool loaded_shapes(uint8_t*) { return false; }
 #endif
 
 }  // namespace lmckv::amx

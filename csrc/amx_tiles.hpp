@@ -20,6 +20,10 @@ constexpr uint64_t kTile = 16;  // rows and columns of a float32 tile
 // Whether this CPU and OS run the tile code below.
 bool available();
 
+// The self-check of configure_tiles: the 64 bytes of tile shapes the CPU holds after it
+// ran over a scribbled stack (sttilecfg), in out; false where available() is false.
+bool loaded_shapes(uint8_t out[64]);
+
 #ifdef LMCKV_AMX
 // Load this thread's tile shapes (before dot_rows) / release its tiles (after).
 LMCKV_AMX_TARGET void configure_tiles();

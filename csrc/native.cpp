@@ -19,6 +19,7 @@
 #include <unordered_set>
 #include <vector>
 
+#include "amx_tiles.hpp"
 #include "common.hpp"
 #include "copy_kernels.hpp"
 #include "fused_blocks.hpp"
@@ -244,6 +245,15 @@ void bind_edit_kernels(py::module_& m) {
       "head_dim"_a = py::none(),
       "'amx', 'avx512' or 'generic': window_scores' path here (for keys of head_dim).");
   m.def("_set_window_scores_isa", &set_window_scores_isa, "name"_a);
+  m.def(
+      "_amx_tile_shapes",
+      []() -> py::object {
+        uint8_t cfg[64];
+        if (!amx::loaded_shapes(cfg)) return py::none();
+        return py::bytes(reinterpret_cast<const char*>(cfg), sizeof(cfg));
+      },
+      "The 64-byte tile configuration the CPU holds after the edit kernels' "
+      "configure_tiles, or None without AMX (a self-check for the tests).");
 }
 
 // Share of the cold regions of a scatter written with pwritev (see execute_with_files):

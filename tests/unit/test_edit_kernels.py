@@ -10,6 +10,7 @@ written.
 from __future__ import annotations
 
 import math
+import struct
 from collections.abc import Iterator
 
 import pytest
@@ -127,6 +128,20 @@ def test_window_scores_isa_names() -> None:
     assert ek.window_scores_isa(7) == "generic"  # odd head sizes: no fast path
     with pytest.raises(ValueError, match="isa must be"):
         _native._set_window_scores_isa("avx9")
+
+
+def test_amx_tiles_take_their_shapes() -> None:
+    """The tile shapes the AMX paths load are theirs whatever the stack held (a config
+    built on the stack once lost its stores to GCC 12's ``_tile_loadconfig`` and loaded
+    garbage: a #GP in window_scores, or wrong shapes)."""
+    got = _native._amx_tile_shapes()
+    if "amx" not in ISAS:
+        assert got is None
+        return
+    palette = bytes([1]) + bytes(15)
+    colsb = struct.pack("<16H", *([64] * 8 + [0] * 8))  # 64 bytes a row, tiles 0..7
+    rows = bytes([16] * 8 + [0] * 8)
+    assert got == palette + colsb + rows
 
 
 @pytest.mark.parametrize("name", ALL_ISAS)
