@@ -28,20 +28,32 @@ LMCKV_PAIRS_TARGET __m512i pair_index(unsigned pa, unsigned pb) {
   return _mm512_load_si512(idx);
 }
 
-// One destination pair: every (head, 16 dims) line, from the lines of its two tokens.
+// Destination pairs moved column by column at once (a block of 128 tokens in one go).
+constexpr uint64_t kPairsAtOnce = 64;
+
+// The source lines of one destination pair, and which permute joins them.
+struct PairSource {
+  const char* a;
+  const char* b;
+  int64_t dst;  // the pair's line base, bytes from the destination block
+  unsigned sel;  // 2 * parity of a + parity of b: the index vector
+};
+
+// Destination pairs, column by column: every (head, 16 dims) line of each pair, each line
+// one two-table permute of its two tokens' source lines. Columns outermost, so each
+// column's lines (consecutive pairs 64 bytes apart) are read and written in address order.
 template <bool S>
-LMCKV_PAIRS_TARGET void pair_lines(char* dst, const char* a, const char* b, unsigned pa,
-                                   unsigned pb, const int64_t* cols, uint64_t ncols) {
-  if (a == b && pa == 0 && pb == 1) {  // an aligned source pair: the lines as they are
-    for (uint64_t c = 0; c < ncols; ++c) {
-      store_line<S>(dst + cols[c], _mm512_loadu_si512(a + cols[c]));
-    }
-    return;
-  }
-  const __m512i idx = pair_index(pa, pb);
+LMCKV_PAIRS_TARGET void pair_lines(char* dst, const PairSource* ps, uint64_t npairs,
+                                   const int64_t* cols, uint64_t ncols) {
+  const __m512i idx[4] = {pair_index(0, 0), pair_index(0, 1), pair_index(1, 0),
+                          pair_index(1, 1)};
   for (uint64_t c = 0; c < ncols; ++c) {
-    const __m512i va = _mm512_loadu_si512(a + cols[c]), vb = _mm512_loadu_si512(b + cols[c]);
-    store_line<S>(dst + cols[c], _mm512_permutex2var_epi16(va, idx, vb));
+    const int64_t col = cols[c];
+    for (uint64_t k = 0; k < npairs; ++k) {
+      const PairSource& p = ps[k];
+      const __m512i va = _mm512_loadu_si512(p.a + col), vb = _mm512_loadu_si512(p.b + col);
+      store_line<S>(dst + p.dst + col, _mm512_permutex2var_epi16(va, idx[p.sel], vb));
+    }
   }
 }
 #endif
@@ -70,21 +82,28 @@ TokenPairs::TokenPairs(const int64_t* tok, const int64_t* dim, uint64_t bs, uint
       for (uint64_t tb = 0; tb < bs; tb += 2) aligned_ = aligned_ && (pair_at_[tb] + cols_.back()) % 64 == 0;
     }
   }
-  fn_ = &pair_lines<false>;
-  stream_fn_ = &pair_lines<true>;
+  enabled_ = true;
 #endif
 }
 
 void TokenPairs::copy(char* dst, const BlockToken* from, uint64_t first, uint64_t last,
                       bool stream) const {
-  const PairLinesFn fn =
-      stream && aligned_ && reinterpret_cast<uintptr_t>(dst) % 64 == 0 ? stream_fn_ : fn_;
-  for (uint64_t tb = first; tb + 1 < last; tb += 2) {
-    const BlockToken &a = from[tb], &b = from[tb + 1];
-    fn(dst + pair_at_[tb], a.block + pair_at_[a.tb], b.block + pair_at_[b.tb],
-       static_cast<unsigned>(a.tb & 1), static_cast<unsigned>(b.tb & 1), cols_.data(),
-       cols_.size());
+#if defined(__x86_64__)
+  const bool s = stream && aligned_ && reinterpret_cast<uintptr_t>(dst) % 64 == 0;
+  const auto fn = s ? &pair_lines<true> : &pair_lines<false>;
+  PairSource ps[kPairsAtOnce];
+  for (uint64_t tb = first; tb + 1 < last;) {
+    uint64_t n = 0;
+    for (; n < kPairsAtOnce && tb + 1 < last; ++n, tb += 2) {
+      const BlockToken &a = from[tb], &b = from[tb + 1];
+      ps[n] = {a.block + pair_at_[a.tb], b.block + pair_at_[b.tb], pair_at_[tb],
+               static_cast<unsigned>(2 * (a.tb & 1) + (b.tb & 1))};
+    }
+    fn(dst, ps, n, cols_.data(), cols_.size());
   }
+#else
+  (void)dst, (void)from, (void)first, (void)last, (void)stream;
+#endif
 }
 
 }  // namespace lmckv

@@ -8,6 +8,9 @@
 // and the odd-place elements of another. Either is one two-table permute per line:
 // the source lines of both tokens, indices by the two tokens' parities (four vectors),
 // one 64-byte store. The token path of fused_blocks.cpp does this element by element.
+// Lines go column by column (one head's 16 dims), pair after pair: a column's lines of
+// consecutive pairs are adjacent, so both blocks are read and written in address order
+// (a pair's own lines lie a column's length apart).
 //
 // Bounds: the planning checks tok_off[2k + 1] = tok_off[2k] + 1 and dim_off[16j + i] =
 // dim_off[16j] + 2i, so a line's 32 elements are exactly the cells of two tokens and 16
@@ -22,10 +25,6 @@
 
 namespace lmckv {
 
-// Moves destination token pairs: dst / src first bytes of the pair's lines, parities.
-using PairLinesFn = void (*)(char* dst, const char* a, const char* b, unsigned pa,
-                             unsigned pb, const int64_t* cols, uint64_t ncols);
-
 class TokenPairs {
  public:
   TokenPairs() = default;
@@ -34,7 +33,7 @@ class TokenPairs {
   // and fused_blocks moves lanes with AVX-512 here.
   TokenPairs(const int64_t* tok, const int64_t* dim, uint64_t bs, uint64_t hs, uint64_t width,
              uint64_t itemsize);
-  bool enabled() const { return fn_ != nullptr; }
+  bool enabled() const { return enabled_; }
   // Destination tokens [first, last) of one block, both even (dst: its first byte; token
   // tb from from[tb]); `stream`: non-temporal stores allowed (the caller fences them).
   void copy(char* dst, const BlockToken* from, uint64_t first, uint64_t last,
@@ -44,7 +43,7 @@ class TokenPairs {
   std::vector<int64_t> pair_at_;  // per token: its pair's line base, bytes from the block
   std::vector<int64_t> cols_;     // per (head, 16 dims): the line's offset from that base
   bool aligned_ = false;          // every line a whole aligned cache line
-  PairLinesFn fn_ = nullptr, stream_fn_ = nullptr;
+  bool enabled_ = false;
 };
 
 }  // namespace lmckv
