@@ -112,7 +112,8 @@ LMCKV_LANE_TARGET inline void groups_of_rows(char* dst, const LaneGroup* groups,
 
 // Every row, every group: rows outermost, two at a time, so both blocks are walked in
 // order and each group's indices and masks serve two rows (7-9% faster than one row at a
-// time; four or eight rows, or groups outermost, are not faster: docs/performance.md).
+// time; four or eight rows, or groups outermost, are not faster for vec / vec16, whose
+// groups lie side by side in a row: docs/performance.md).
 template <size_t E, bool S>
 LMCKV_LANE_TARGET void lane_rows(char* dst, const LaneGroup* groups, uint64_t n,
                                  const int64_t* rows, uint64_t nrows) {
@@ -120,6 +121,32 @@ LMCKV_LANE_TARGET void lane_rows(char* dst, const LaneGroup* groups, uint64_t n,
   for (; r + 2 <= nrows; r += 2) groups_of_rows<E, S, 2>(dst, groups, n, rows + r);
   // an odd count does not come from an engine (HS is even)
   if (r < nrows) groups_of_rows<E, S, 1>(dst, groups, n, rows + r);
+}
+
+// The lines a group's windows will load for R rows, asked for ahead (the same addresses
+// its loads read, inside the source blocks).
+template <int R>
+LMCKV_LANE_TARGET inline void prefetch_rows(const LaneGroup& g, const int64_t* r) {
+  for (uint32_t s = 0; s < g.windows; ++s) {
+    const char* p = g.win[s].block + g.win[s].base;
+    for (int i = 0; i < R; ++i) _mm_prefetch(p + r[i], _MM_HINT_T0);
+  }
+}
+
+// Every group, every row: for planes whose groups lie apart in a row and whose rows are
+// adjacent lines (amx's K: a group's rows, 2 KiB a head at HS 64), group by group, the
+// next group's lines asked for while this one moves (5 % off the kernel: performance.md).
+template <size_t E, bool S>
+LMCKV_LANE_TARGET void lane_groups(char* dst, const LaneGroup* groups, uint64_t n,
+                                   const int64_t* rows, uint64_t nrows) {
+  for (uint64_t k = 0; k < n; ++k) {
+    uint64_t r = 0;
+    for (; r + 2 <= nrows; r += 2) {
+      if (k + 1 < n) prefetch_rows<2>(groups[k + 1], rows + r);
+      groups_of_rows<E, S, 2>(dst, groups + k, 1, rows + r);
+    }
+    if (r < nrows) groups_of_rows<E, S, 1>(dst, groups + k, 1, rows + r);
+  }
 }
 
 // (a, b) -> (a c - b s, b c + a s) in rotate_body's roundings (rope_rotate.cpp): a c
@@ -267,6 +294,12 @@ LaneGroups::LaneGroups(const int64_t* tok, uint64_t bs, uint64_t itemsize,
     any = any || dst_ok_.back() != 0;
   }
   if (!any) fn_ = nullptr;
+  if (fn_ != nullptr && bs >= 2 * g_ && lane_[g_] != lane_[0]) {  // groups apart in a row
+#if defined(__x86_64__)
+    fn_ = itemsize == 2 ? &lane_groups<2, false> : &lane_groups<4, false>;
+    stream_fn_ = itemsize == 2 ? &lane_groups<2, true> : &lane_groups<4, true>;
+#endif
+  }
 }
 
 void LaneGroups::plan(const BlockToken* from, std::vector<LaneGroup>& groups,

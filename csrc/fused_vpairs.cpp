@@ -41,7 +41,8 @@ struct PairSource {
 
 // Destination pairs, column by column: every (head, 16 dims) line of each pair, each line
 // one two-table permute of its two tokens' source lines. Columns outermost, so each
-// column's lines (consecutive pairs 64 bytes apart) are read and written in address order.
+// column's lines (consecutive pairs 64 bytes apart) are read and written in address order;
+// the next column's source lines (another page) are asked for one column ahead.
 template <bool S>
 LMCKV_PAIRS_TARGET void pair_lines(char* dst, const PairSource* ps, uint64_t npairs,
                                    const int64_t* cols, uint64_t ncols) {
@@ -49,8 +50,10 @@ LMCKV_PAIRS_TARGET void pair_lines(char* dst, const PairSource* ps, uint64_t npa
                           pair_index(1, 1)};
   for (uint64_t c = 0; c < ncols; ++c) {
     const int64_t col = cols[c];
+    const bool more = c + 1 < ncols;
     for (uint64_t k = 0; k < npairs; ++k) {
       const PairSource& p = ps[k];
+      if (more) _mm_prefetch(p.b + cols[c + 1], _MM_HINT_T0);  // this pair's next column
       const __m512i va = _mm512_loadu_si512(p.a + col), vb = _mm512_loadu_si512(p.b + col);
       store_line<S>(dst + p.dst + col, _mm512_permutex2var_epi16(va, idx[p.sel], vb));
     }
