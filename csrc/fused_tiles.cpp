@@ -209,15 +209,19 @@ LMCKV_LANE_TARGET inline void turn_dim_pairs(char* dst, const LaneGroup& g, cons
   store_line<S>(dst + (pr.b + g.dst), join(b0, b1));
 }
 
-// Every pair of rows of dim pairs, every group (as lane_pairs; pr.i is the even dim's
-// rotation pair).
+// Every pair of rows of dim pairs, every group (pr.i is the even dim's rotation pair):
+// group by group, as lane_groups, the next group's lines of each pair asked for ahead.
 template <bool S>
 LMCKV_LANE_TARGET void lane_dim_pairs(char* dst, const LaneGroup* groups, uint64_t n,
                                       const LanePair* pairs, uint64_t npairs,
                                       const float* cos_t, const float* sin_t, uint64_t bs) {
-  for (uint64_t p = 0; p < npairs; ++p) {
-    const LanePair& pr = pairs[p];
-    for (uint64_t k = 0; k < n; ++k) {
+  for (uint64_t k = 0; k < n; ++k) {
+    for (uint64_t p = 0; p < npairs; ++p) {
+      const LanePair& pr = pairs[p];
+      if (k + 1 < n) {
+        const int64_t r[2] = {pr.a, pr.b};
+        prefetch_rows<2>(groups[k + 1], r);
+      }
       const uint64_t at = pr.i * bs + groups[k].t0;
       turn_dim_pairs<S>(dst, groups[k], pr, cos_t + at, sin_t + at, cos_t + at + bs,
                         sin_t + at + bs);
