@@ -129,7 +129,7 @@ template <int R>
 LMCKV_LANE_TARGET inline void prefetch_rows(const LaneGroup& g, const int64_t* r) {
   for (uint32_t s = 0; s < g.windows; ++s) {
     const char* p = g.win[s].block + g.win[s].base;
-    for (int i = 0; i < R; ++i) _mm_prefetch(p + r[i], _MM_HINT_T0);
+    for (int i = 0; i < R; ++i) _mm_prefetch(p + r[i], _MM_HINT_T1);
   }
 }
 
