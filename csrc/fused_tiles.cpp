@@ -135,7 +135,7 @@ LMCKV_LANE_TARGET inline void prefetch_rows(const LaneGroup& g, const int64_t* r
 
 // Every group, every row: for planes whose groups lie apart in a row and whose rows are
 // adjacent lines (amx's K: a group's rows, 2 KiB a head at HS 64), group by group, the
-// next group's lines asked for while this one moves (5 % off the kernel: performance.md).
+// next group's lines asked for (to L2) while this one moves (docs/performance.md).
 template <size_t E, bool S>
 LMCKV_LANE_TARGET void lane_groups(char* dst, const LaneGroup* groups, uint64_t n,
                                    const int64_t* rows, uint64_t nrows) {
