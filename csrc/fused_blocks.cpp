@@ -356,14 +356,14 @@ LaneGroups FusedBlocksPlan::pair_lanes(int p) const {
   };
   std::vector<int64_t> tok4(bs), rows;
   for (uint64_t tb = 0; tb < bs; ++tb) tok4[tb] = tok[tb] / 2;
-  for (uint64_t m = rotary / 2; m < hs / 2; ++m) {
-    for (uint64_t h = 0; h < heads; ++h) rows.push_back(row(h, m));
+  for (uint64_t h = 0; h < heads; ++h) {  // a head's lines of a group in address order
+    for (uint64_t m = rotary / 2; m < hs / 2; ++m) rows.push_back(row(h, m));
   }
   LaneGroups lanes(tok4.data(), bs, 4, std::move(rows));
   if (rotary == 0) return lanes;
   std::vector<LanePair> turned;
-  for (uint64_t m = 0; m < quarter; ++m) {
-    for (uint64_t h = 0; h < heads; ++h) {
+  for (uint64_t h = 0; h < heads; ++h) {
+    for (uint64_t m = 0; m < quarter; ++m) {
       turned.push_back(LanePair{row(h, m), row(h, m + quarter), 2 * m});
     }
   }
@@ -563,10 +563,18 @@ void FusedBlocksPlan::run_unit(uint64_t unit, Scratch& s) const {
   const uint64_t j = unit / (a_.layers * nblk), l = unit / nblk % a_.layers, b = unit % nblk;
   const uint64_t t0 = io_.ids[j] * c + b * bs;  // output token of the block's token 0
   std::vector<SrcToken>& from = s.from;
+  uint64_t q = 0, st = 0, stb = 0;  // source chunk, token in it, token in its block
   for (uint64_t tb = 0; tb < bs; ++tb) {
     const auto i = static_cast<uint64_t>(io_.idx[t0 + tb]);
-    const uint64_t st = i % c;
-    from[tb] = SrcToken{io_.src[i / c] + (l * c + st / bs * bs) * row_bytes, st % bs, 1};
+    if (tb > 0 && i == static_cast<uint64_t>(io_.idx[t0 + tb - 1]) + 1 && st + 1 < c) {
+      ++st;  // the source token after the last one: no divisions (most tokens of a selection)
+      stb = stb + 1 == bs ? 0 : stb + 1;
+    } else {
+      q = i / c;
+      st = i % c;
+      stb = st % bs;
+    }
+    from[tb] = SrcToken{io_.src[q] + (l * c + st - stb) * row_bytes, stb, 1};
   }
   for (uint64_t tb = bs - 1; tb-- > 0;) {  // runs of sources that follow each other
     const SrcToken &f = from[tb], &g = from[tb + 1];
