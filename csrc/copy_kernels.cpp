@@ -109,13 +109,49 @@ __attribute__((always_inline)) inline void stream_copy(char* dst, const char* sr
   if (n) std::memcpy(dst, src, n);
 }
 
+// Spans side by side: each one's head by memcpy until its dst is `A`-aligned, then 128
+// bytes of every span in turn while it has them, then each one's last < 128 by memcpy.
+template <size_t A, typename Step>
+__attribute__((always_inline)) inline void stream_side_by_side(const StreamSpan* spans,
+                                                               size_t count, Step step) {
+  char* d[kMaxStreamSpans];
+  const char* s[kMaxStreamSpans];
+  size_t n[kMaxStreamSpans], longest = 0;
+  count = std::min(count, kMaxStreamSpans);
+  for (size_t i = 0; i < count; ++i) {
+    const size_t head = align_head(spans[i].dst, spans[i].src, spans[i].n, A);
+    d[i] = spans[i].dst + head;
+    s[i] = spans[i].src + head;
+    n[i] = spans[i].n - head;
+    longest = std::max(longest, n[i]);
+  }
+  for (size_t off = 0; off + kInterleaveStep <= longest; off += kInterleaveStep) {
+    for (size_t i = 0; i < count; ++i) {
+      if (off + kInterleaveStep <= n[i]) step(d[i] + off, s[i] + off);
+    }
+  }
+  for (size_t i = 0; i < count; ++i) {
+    const size_t tail = n[i] % kInterleaveStep;
+    if (tail) std::memcpy(d[i] + n[i] - tail, s[i] + n[i] - tail, tail);
+  }
+}
+
+__attribute__((target("avx512f"))) inline void step_avx512(char* d, const char* s) {
+  const __m512i a = _mm512_loadu_si512(reinterpret_cast<const void*>(s));
+  const __m512i b = _mm512_loadu_si512(reinterpret_cast<const void*>(s + 64));
+  _mm512_stream_si512(reinterpret_cast<__m512i*>(d), a);
+  _mm512_stream_si512(reinterpret_cast<__m512i*>(d + 64), b);
+}
+
 __attribute__((target("avx512f"))) void stream_avx512(char* dst, const char* src, size_t n) {
   stream_copy<64>(dst, src, n, [](char* d, const char* s) __attribute__((target("avx512f"))) {
-    const __m512i a = _mm512_loadu_si512(reinterpret_cast<const void*>(s));
-    const __m512i b = _mm512_loadu_si512(reinterpret_cast<const void*>(s + 64));
-    _mm512_stream_si512(reinterpret_cast<__m512i*>(d), a);
-    _mm512_stream_si512(reinterpret_cast<__m512i*>(d + 64), b);
+    step_avx512(d, s);
   });
+}
+
+__attribute__((target("avx512f"))) void spans_avx512(const StreamSpan* spans, size_t count) {
+  stream_side_by_side<64>(spans, count, [](char* d, const char* s)
+                          __attribute__((target("avx512f"))) { step_avx512(d, s); });
 }
 
 __attribute__((target("avx2"))) void stream_avx2(char* dst, const char* src, size_t n) {
@@ -302,6 +338,16 @@ StreamCopyFn stream_copy_for(uint64_t total) {
 }
 
 void stream_fence() { store_fence(); }
+
+StreamSpansFn stream_spans_for(StreamCopyFn fn) {
+#ifdef LMCKV_X86
+  if (fn == stream_avx512 && g_interleave_pages.load(std::memory_order_relaxed) > 1) {
+    return spans_avx512;
+  }
+#endif
+  (void)fn;
+  return nullptr;
+}
 
 int CopyPlan::execute() const {
   if (total_ == 0) return 0;

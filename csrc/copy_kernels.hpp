@@ -43,6 +43,20 @@ using StreamCopyFn = void (*)(char* dst, const char* src, size_t n);
 StreamCopyFn stream_copy_for(uint64_t total);
 void stream_fence();
 
+// Several streaming copies walked side by side, 128 bytes of each in turn: runs shorter
+// than stream_copy's interleaved block (a gather's runs of a few rows) keep as many
+// streams in flight as its pages do. `fn` is what stream_copy_for returned; returns
+// nullptr where runs are best copied one after the other (no streaming ISA, or an
+// interleave of 1 page: AMD).
+struct StreamSpan {
+  char* dst;
+  const char* src;
+  size_t n;
+};
+constexpr size_t kMaxStreamSpans = 8;
+using StreamSpansFn = void (*)(const StreamSpan* spans, size_t count);  // count <= kMaxStreamSpans
+StreamSpansFn stream_spans_for(StreamCopyFn fn);
+
 struct CopyOp {
   char* dst;
   const char* src;

@@ -84,9 +84,10 @@ void FusedRowsPlan::build_runs() {
 }
 
 // Rows [r0, r1) of block `block` = (destination j, plane p, layer l). Copied runs use
-// `stream` when set and the destination's pages are there: non-temporal stores, measured
-// 13 ms against 18 with memcpy (7 x 32 MiB bf16 chunks from 8, drop every 10th, 2
-// threads). Rotated rows are stored normally: staging them to stream out was no faster.
+// `stream` when set and the destination's pages are there: non-temporal stores, up to
+// kMaxStreamSpans runs side by side (a selection's runs are a few rows, shorter than one
+// interleaved block of stream_copy). Rotated rows are stored normally: staging them to
+// stream out was no faster (docs/performance.md).
 void FusedRowsPlan::run_block(uint64_t block, uint64_t r0, uint64_t r1,
                               StreamCopyFn stream) const {
   const uint64_t pl_count = a_.planes * a_.layers;
@@ -103,6 +104,9 @@ void FusedRowsPlan::run_block(uint64_t block, uint64_t r0, uint64_t r1,
   // the run holding r0: the last one starting at or before it
   const Run* run = std::upper_bound(first, last, r0,
                                     [](uint64_t r, const Run& x) { return r < x.dst_row; }) - 1;
+  const StreamSpansFn side_by_side = stream_spans_for(stream);
+  StreamSpan spans[kMaxStreamSpans];
+  size_t nspans = 0;
   for (; run < last && run->dst_row < r1; ++run) {
     uint64_t lo = std::max(r0, run->dst_row);
     const uint64_t hi = std::min(r1, run->dst_row + run->rows);
@@ -113,7 +117,15 @@ void FusedRowsPlan::run_block(uint64_t block, uint64_t r0, uint64_t r1,
         fn(d, s, io_.cos + (t0 + lo) * half_, io_.sin + (t0 + lo) * half_, g);
       }
     } else if (stream != nullptr && !cold_[j] && (hi - lo) * row >= kMinStreamBytes) {
-      stream(d, s, (hi - lo) * row);
+      if (side_by_side == nullptr) {
+        stream(d, s, (hi - lo) * row);
+        continue;
+      }
+      spans[nspans++] = StreamSpan{d, s, (hi - lo) * row};  // runs write disjoint rows
+      if (nspans == kMaxStreamSpans) {
+        side_by_side(spans, nspans);
+        nspans = 0;
+      }
     } else {
       // in pieces: glibc would switch to non-temporal stores for big ones
       for (uint64_t n = (hi - lo) * row, take; n > 0; n -= take, d += take, s += take) {
@@ -122,6 +134,7 @@ void FusedRowsPlan::run_block(uint64_t block, uint64_t r0, uint64_t r1,
       }
     }
   }
+  if (nspans > 0) side_by_side(spans, nspans);
 }
 
 // Global rows [first, last) of the (destination, plane, layer, row) order.
