@@ -46,8 +46,8 @@ void stream_fence();
 // Several streaming copies walked side by side, 128 bytes of each in turn: runs shorter
 // than stream_copy's interleaved block (a gather's runs of a few rows) keep as many
 // streams in flight as its pages do. `fn` is what stream_copy_for returned; returns
-// nullptr where runs are best copied one after the other (no streaming ISA, or an
-// interleave of 1 page: AMD).
+// nullptr where runs are copied one after the other: an interleave of 1 page (AMD), or
+// an ISA without this walker (only the AVX-512 copy has one).
 struct StreamSpan {
   char* dst;
   const char* src;
