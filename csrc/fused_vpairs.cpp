@@ -53,7 +53,10 @@ LMCKV_PAIRS_TARGET void pair_lines(char* dst, const PairSource* ps, uint64_t npa
     const bool more = c + 1 < ncols;
     for (uint64_t k = 0; k < npairs; ++k) {
       const PairSource& p = ps[k];
-      if (more) _mm_prefetch(p.b + cols[c + 1], _MM_HINT_T1);  // this pair's next column
+      if (more) {  // this pair's lines of the next column
+        _mm_prefetch(p.b + cols[c + 1], _MM_HINT_T1);
+        if (p.a != p.b) _mm_prefetch(p.a + cols[c + 1], _MM_HINT_T1);
+      }
       const __m512i va = _mm512_loadu_si512(p.a + col), vb = _mm512_loadu_si512(p.b + col);
       store_line<S>(dst + p.dst + col, _mm512_permutex2var_epi16(va, idx[p.sel], vb));
     }
