@@ -86,6 +86,14 @@ LMCKV_LANE_TARGET inline void window_rows(const LaneWindow& w, const int64_t* r,
 // straight.
 template <size_t E, int R>
 LMCKV_LANE_TARGET inline void group_rows(const LaneGroup& g, const int64_t* r, __m512i* out) {
+  if (g.two_lines) {
+    const __m512i idx = _mm512_load_si512(g.idx2);
+    for (int i = 0; i < R; ++i) {
+      out[i] = Lanes<E>::permute(Lanes<E>::load(g.line_load[0], g.line[0] + r[i]), idx,
+                                 Lanes<E>::load(g.line_load[1], g.line[1] + r[i]));
+    }
+    return;
+  }
   if (g.straight) {
     const char* p = g.win[0].block + g.win[0].base;
     for (int i = 0; i < R; ++i) out[i] = _mm512_loadu_si512(p + r[i]);
@@ -365,7 +373,36 @@ bool LaneGroups::plan_group(const BlockToken* from, uint64_t t0, LaneGroup& g) c
   for (uint64_t i = 0; g.straight && i < g_; ++i) {
     g.straight = from[t0 + i].tb == lo[0] + i;
   }
+  g.two_lines = false;
+  if (n == 2) plan_lines(from + t0, of, lo, hi, g);
   return true;
+}
+
+// Whether both windows lie inside one aligned run of G elements each (their lines); if
+// so, the lines, their masks (only the windows' elements are read) and idx2: token i's
+// place in line 0 or, + G, line 1.
+void LaneGroups::plan_lines(const BlockToken* group, const uint32_t* of, const uint64_t* lo,
+                            const uint64_t* hi, LaneGroup& g) const {
+  uint64_t start[2];
+  for (uint32_t s = 0; s < 2; ++s) {
+    const auto x = static_cast<uint64_t>(tok_[lo[s]]);
+    start[s] = x - x % g_;
+    if (static_cast<uint64_t>(tok_[hi[s]]) >= start[s] + g_) return;
+    g.line[s] = g.win[s].block + static_cast<int64_t>(start[s] * e_);
+    g.line_load[s] = g.win[s].load << (x - start[s]);
+  }
+  for (uint64_t i = 0; i < g_; ++i) {
+    const uint32_t s = of[i];
+    const uint64_t at = static_cast<uint64_t>(tok_[group[i].tb]) - start[s] + (s == 1 ? g_ : 0);
+    if (e_ == 2) {
+      const auto v = static_cast<uint16_t>(at);
+      std::memcpy(g.idx2 + 2 * i, &v, 2);
+    } else {
+      const auto v = static_cast<uint32_t>(at);
+      std::memcpy(g.idx2 + 4 * i, &v, 4);
+    }
+  }
+  g.two_lines = true;
 }
 
 // Each window's permute indices (a token's distance from the window's first token lo[s])

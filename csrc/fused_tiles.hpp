@@ -10,7 +10,9 @@
 // tokens from its base w) and each token's place in its window. Every row of the unit
 // then moves a group with masked loads of its windows (reading only the elements from a
 // window's first to its last token, all inside the source block's lane), one two-table
-// permute per window, masked merges and one 64-byte store. All rows share the plan.
+// permute per window, masked merges and one 64-byte store; a group of two windows that
+// each lie inside one aligned run of G elements (amx's K: two source groups' lines) is
+// one permute of those two masked lines. All rows share the plan.
 //
 // A rotated K (neox pairs of dims i, i + half; interleaved 2i, 2i + 1) turns both rows of
 // a pair in float32 per group, with the unit's cos / sin transposed to [pair][token], in
@@ -49,10 +51,16 @@ struct LaneWindow {
 struct LaneGroup {
   static constexpr uint32_t kMaxWindows = 4;
   LaneWindow win[kMaxWindows];
+  // Two windows each inside one aligned run of G elements of its row (amx's K: a source
+  // group's line): one two-table permute of those two lines (idx2), not one per window.
+  alignas(64) unsigned char idx2[64];
+  const char* line[2] = {nullptr, nullptr};  // the lines' first bytes (row 0)
+  uint64_t line_load[2] = {0, 0};             // bit i: element i of the line is read
   int64_t dst = 0;       // tok_off of the group's first token, times itemsize
   uint32_t t0 = 0;       // the group's first token in its block
   uint32_t windows = 0;  // 1 .. kMaxWindows
   bool straight = false;  // one window, tokens base .. base + G - 1 in order: a plain copy
+  bool two_lines = false;  // idx2 / line / line_load hold the group
 };
 
 // Destination tokens [first, last) of a block left to the token path.
@@ -107,6 +115,8 @@ class LaneGroups {
   bool streams(bool stream, char* dst, const std::vector<LaneGroup>& groups) const;
   void fill_windows(const BlockToken* group, const uint32_t* of, const uint64_t* lo,
                     LaneGroup& g) const;
+  void plan_lines(const BlockToken* group, const uint32_t* of, const uint64_t* lo,
+                  const uint64_t* hi, LaneGroup& g) const;
 
   std::vector<int64_t> tok_;
   std::vector<uint64_t> lane_;  // per token: the first token of its run of consecutive elements
