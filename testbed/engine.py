@@ -21,6 +21,7 @@ import contextlib
 import json
 import logging
 import os
+import shutil
 import subprocess
 import tempfile
 import time
@@ -36,6 +37,7 @@ from lmcache_kv_fast.testing.server import LMCacheServer, free_port
 from testbed.engine_proc import (
     KEEP_LOGS_ENV,
     REPO_ROOT,
+    RPC_DIR_ENV,
     ChildOwner,
     EngineChild,
     EngineChildError,
@@ -231,6 +233,7 @@ class OpenAIEngine:
         self.start_timeout = start_timeout
         self.port = 0
         self.proc: subprocess.Popen[bytes] | None = None
+        self.rpc_dir: Path | None = None  # vLLM's IPC sockets while it runs (removed on stop)
         self.log_path: Path | None = None
         self._log_file: Any = None
 
@@ -272,7 +275,9 @@ class OpenAIEngine:
         fd, path = tempfile.mkstemp(prefix="vllm-openai-", suffix=".log")
         self.log_path = Path(path)
         self._log_file = open(fd, "wb")  # noqa: SIM115 - closed in stop()
-        env = child_env({"VLLM_CPU_KVCACHE_SPACE": str(self.kv_space_gb)})
+        self.rpc_dir = Path(tempfile.mkdtemp(prefix="vllm-rpc-"))
+        env = child_env({"VLLM_CPU_KVCACHE_SPACE": str(self.kv_space_gb),
+                         RPC_DIR_ENV: str(self.rpc_dir)})
         started = time.monotonic()
         self.proc = subprocess.Popen(
             self.command(), stdout=self._log_file, stderr=subprocess.STDOUT,
@@ -301,6 +306,9 @@ class OpenAIEngine:
         """Stop the server and its process group; remove its log. Idempotent."""
         proc, self.proc = self.proc, None
         stop_group(proc)
+        if self.rpc_dir is not None:  # the IPC sockets vLLM leaves when it is killed
+            shutil.rmtree(self.rpc_dir, ignore_errors=True)
+            self.rpc_dir = None
         if self._log_file is not None:
             self._log_file.close()
             self._log_file = None

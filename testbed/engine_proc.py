@@ -102,6 +102,11 @@ def connector_path(version: str) -> Path:
     return path
 
 
+#: Where vLLM opens its ZMQ IPC sockets (default the system temp dir, where a killed
+#: engine leaves them): each engine gets a directory of its own, removed when it stops.
+RPC_DIR_ENV = "VLLM_RPC_BASE_PATH"
+
+
 def child_env(extra: dict[str, str] | None = None) -> dict[str, str]:
     """Environment for an engine-venv child: the caller's, minus this venv, plus quiet switches.
 
@@ -192,7 +197,8 @@ class EngineChild:
             self.proc = subprocess.Popen(
                 [str(self.python or engine_python()), str(self.script), json.dumps(cfg)],
                 stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self._log_file,
-                env=child_env(self.env), cwd=str(self.tmp_dir), start_new_session=True,
+                env=child_env({RPC_DIR_ENV: str(self.tmp_dir), **self.env}), cwd=str(self.tmp_dir),
+                start_new_session=True,
             )
             self.ready_info = self._read_reply(0, self.start_timeout, "start")
         except BaseException:
@@ -353,6 +359,11 @@ class ChildOwner:
     def stop(self) -> None:
         """Stop the child and its processes (idempotent)."""
         self._child.stop()
+
+    @property
+    def rpc_dir(self) -> Path | None:
+        """The directory of the engine's IPC sockets while it runs (its own, removed on stop)."""
+        return self._child.tmp_dir
 
     def __enter__(self) -> Self:
         return self.start()

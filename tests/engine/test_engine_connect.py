@@ -4,6 +4,7 @@ registration is told from other SDKs', and what the errors ask for when it canno
 from __future__ import annotations
 
 import json
+import os
 import time
 
 import pytest
@@ -11,6 +12,7 @@ import torch
 
 import lmcache_kv_fast as lkf
 from lmcache_kv_fast.layout import EngineLayoutUnresolvedError, KVLayout, resolve_engine_layout
+from testbed.engine_proc import KEEP_LOGS_ENV
 
 from .common import BLOCK, CHUNK, register_engine_driven, tokens, unregister_engine_driven
 
@@ -124,7 +126,11 @@ def test_engine_exited_then_connect_needs_block_size(offline_engine, engine_serv
 
     before = foreign()
     assert before  # the engine's registration
+    rpc = offline_engine.rpc_dir
+    assert rpc is not None and any(p.is_socket() for p in rpc.iterdir())
     offline_engine.stop()  # the last engine test: the shared engine goes now
+    if os.environ.get(KEEP_LOGS_ENV, "") in ("", "0"):  # else its files are kept on purpose
+        assert not rpc.exists()  # its IPC sockets with it
     deadline = time.monotonic() + 60
     while foreign() == before and time.monotonic() < deadline:
         time.sleep(0.5)

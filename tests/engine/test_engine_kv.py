@@ -220,6 +220,9 @@ def test_fresh_engine_process_serves_sdk_stored_kv(tiny_model, engine_server, sd
     with OpenAIEngine(tiny_model, engine_server.port, block_size=BLOCK) as fresh:
         got = fresh.complete(d + tail, logprobs=1024)
         never = fresh.complete(tokens(2 * CHUNK + TAIL, 51))
+        rpc = fresh.rpc_dir
+        assert rpc is not None and any(p.is_socket() for p in rpc.iterdir())
+    assert not rpc.exists()  # vLLM's IPC sockets went with the engine, not left in /tmp
     assert got.num_cached_tokens == 2 * CHUNK
     assert got.token_ids == ref.token_ids
     assert float((got.logprobs[0] - ref.logprobs[0]).abs().max()) < 1e-3
