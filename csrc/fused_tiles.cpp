@@ -393,14 +393,7 @@ void LaneGroups::plan_lines(const BlockToken* group, const uint32_t* of, const u
   }
   for (uint64_t i = 0; i < g_; ++i) {
     const uint32_t s = of[i];
-    const uint64_t at = static_cast<uint64_t>(tok_[group[i].tb]) - start[s] + (s == 1 ? g_ : 0);
-    if (e_ == 2) {
-      const auto v = static_cast<uint16_t>(at);
-      std::memcpy(g.idx2 + 2 * i, &v, 2);
-    } else {
-      const auto v = static_cast<uint32_t>(at);
-      std::memcpy(g.idx2 + 4 * i, &v, 4);
-    }
+    put_index(g.idx2, i, static_cast<uint64_t>(tok_[group[i].tb]) - start[s] + (s == 1 ? g_ : 0));
   }
   g.two_lines = true;
 }
@@ -415,15 +408,19 @@ void LaneGroups::fill_windows(const BlockToken* group, const uint32_t* of, const
   }
   for (uint64_t i = 0; i < g_; ++i) {
     LaneWindow& w = g.win[of[i]];
-    const uint64_t at = group[i].tb - lo[of[i]];  // < 2G: lo .. hi are one lane
     w.take |= uint64_t{1} << i;
-    if (e_ == 2) {
-      const auto v = static_cast<uint16_t>(at);
-      std::memcpy(w.idx + 2 * i, &v, 2);
-    } else {
-      const auto v = static_cast<uint32_t>(at);
-      std::memcpy(w.idx + 4 * i, &v, 4);
-    }
+    put_index(w.idx, i, group[i].tb - lo[of[i]]);  // < 2G: lo .. hi are one lane
+  }
+}
+
+// Permute index `at` for destination token i, in the element size's lanes.
+void LaneGroups::put_index(unsigned char* idx, uint64_t i, uint64_t at) const {
+  if (e_ == 2) {
+    const auto v = static_cast<uint16_t>(at);
+    std::memcpy(idx + 2 * i, &v, 2);
+  } else {
+    const auto v = static_cast<uint32_t>(at);
+    std::memcpy(idx + 4 * i, &v, 4);
   }
 }
 

@@ -117,6 +117,7 @@ class LaneGroups {
                     LaneGroup& g) const;
   void plan_lines(const BlockToken* group, const uint32_t* of, const uint64_t* lo,
                   const uint64_t* hi, LaneGroup& g) const;
+  void put_index(unsigned char* idx, uint64_t i, uint64_t at) const;
 
   std::vector<int64_t> tok_;
   std::vector<uint64_t> lane_;  // per token: the first token of its run of consecutive elements
